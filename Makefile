@@ -1,0 +1,59 @@
+# rlmesh — the README's two commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# One intra-op thread per process: torch's default oversubscribes small machines (~17x slower).
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: help venv redis-server demo test lint format protos bench clean
+
+help:
+	@echo "make demo    set everything up, then run the main job"
+	@echo "make test    run the whole test suite (what CI runs)"
+	@echo "make lint    ruff;  make protos  regenerate gRPC code;  make bench  benchmarks"
+
+# torch goes in first and alone, pinned, so nothing afterwards can pull a CUDA build;
+# every later install is constrained to the same version.
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), f'torch {v} != 2.13.0'"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		echo "redis-server is missing: installing it with apt"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
+
+demo: venv redis-server
+	$(BIN)/rlmesh up
+
+test: venv redis-server
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+protos: venv
+	$(BIN)/python -m rlmesh.wire.protogen
+
+BENCHMARKS := $(wildcard benchmarks/bench_*.py)
+
+bench: venv
+	@echo "benchmarks: $(BENCHMARKS)"
+	@for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

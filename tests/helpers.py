@@ -1,0 +1,31 @@
+"""Shared test helpers (plain functions, no fixtures with hidden state)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (a reaped-later corpse counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls ``condition`` until true; fails the test naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
