@@ -1,0 +1,143 @@
+"""``rlmesh``: the one command-line entry point. ``rlmesh --help`` lists the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from types import FrameType
+
+SERVICE_GROUP = "rlmesh.services"
+# The order services start in: each may depend on those before it.
+STACK_ORDER = ("reward", "reference", "rollout", "learner")
+
+
+def service_entry_points() -> dict[str, object]:
+    """Services installed under the ``rlmesh.services`` entry-point group, by name."""
+    return {ep.name: ep for ep in entry_points(group=SERVICE_GROUP)}
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    services = service_entry_points()
+    if args.service not in services:
+        known = ", ".join(sorted(services)) or "none (is rlmesh installed? `pip install -e .`)"
+        print(f"rlmesh serve: unknown service {args.service!r}; known: {known}", file=sys.stderr)
+        return 2
+    main = services[args.service].load()  # type: ignore[attr-defined]
+    return int(main(rest) or 0)
+
+
+def cmd_up(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.runtime.stack import run_stack
+
+    return run_stack(
+        config_path=args.config, overrides=rest, services=args.services, hold=args.hold, workdir=args.workdir
+    )
+
+
+def cmd_redis(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.runtime.launcher import ProcessLauncher
+
+    with ProcessLauncher(args.dir) as launcher:
+        redis = launcher.start_redis(port=args.port, appendonly=not args.no_aof)
+        print(f"redis ready at {redis.url} (data in {redis.data_dir}); Ctrl-C stops it", flush=True)
+        while True:
+            signal.pause()  # Ctrl-C or SIGTERM unwinds through the with-block, which stops redis
+
+
+def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.config import ConfigError, dump_yaml, keys_markdown_table, load_config
+
+    if args.action == "keys":
+        print(keys_markdown_table())
+        return 0
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        print(f"invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    print(dump_yaml(cfg) if args.action == "show" else "configuration is valid")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.runtime.health import grpc_health
+
+    status = grpc_health(args.address, args.service, timeout_s=args.timeout)
+    print(f"{args.address} {args.service or '<server>'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.wire.protogen import main as protogen_main
+
+    return protogen_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlmesh", description="PPO post-training for language models as decoupled services."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "serve",
+        help="run one service (reward, reference, rollout, learner) in the foreground",
+        add_help=False,
+    )
+    p.add_argument("service")
+    p.set_defaults(func=cmd_serve, passthrough=True)
+
+    p = sub.add_parser("up", help="start a private Redis and every service, check their health, stop them")
+    p.add_argument("--config", "-c", help="YAML config file (verl key names)")
+    p.add_argument("--services", default=",".join(STACK_ORDER), help="comma-separated services to start")
+    p.add_argument("--hold", action="store_true", help="keep everything running until Ctrl-C")
+    p.add_argument("--workdir", help="where logs and Redis data go (default: runs/<run id>)")
+    p.set_defaults(func=cmd_up, passthrough=True)
+
+    p = sub.add_parser("redis", help="run a private redis-server on a free port until Ctrl-C")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--dir", default=None, help="data directory (default: temporary)")
+    p.add_argument("--no-aof", action="store_true", help="turn the append-only file off")
+    p.set_defaults(func=cmd_redis, passthrough=False)
+
+    p = sub.add_parser("config", help="show or validate a configuration, or list every key")
+    p.add_argument("action", choices=["show", "validate", "keys"])
+    p.add_argument("--config", "-c", help="YAML config file")
+    p.set_defaults(func=cmd_config, passthrough=True)
+
+    p = sub.add_parser("health", help="gRPC health check of a service")
+    p.add_argument("address", help="host:port")
+    p.add_argument("--service", default="", help="service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=cmd_health, passthrough=False)
+
+    p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
+    p.set_defaults(func=cmd_protos, passthrough=True)
+    return parser
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if not args.passthrough and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command != "serve":
+        # SIGTERM unwinds like Ctrl-C, so `with ProcessLauncher()` blocks stop their children.
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return int(args.func(args, rest) or 0)
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

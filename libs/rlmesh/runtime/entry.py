@@ -1,0 +1,73 @@
+"""``service_main``: the one entry point every service's ``main`` delegates to.
+
+It parses ``--config FILE``, ``--ready-file PATH`` and verl-style dotted overrides, validates the
+config (exit 2 with the problems on stderr), sets up logging, builds the service's servicers on
+a ``GrpcService`` configured from ``rlmesh.<service>``, and serves until SIGTERM (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+from rlmesh.config import ConfigError, RLMeshConfig, load_config
+from rlmesh.runtime.logs import configure_logging
+from rlmesh.runtime.server import GrpcService
+
+BuildService = Callable[[GrpcService, RLMeshConfig], Awaitable[None]]
+
+log = logging.getLogger("rlmesh.runtime")
+
+
+def limit_torch_threads() -> None:
+    """One intra-op thread unless OMP_NUM_THREADS says otherwise: on small CPU machines torch's
+    default oversubscribes the cores and a step runs an order of magnitude slower."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def service_arg_parser(name: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"rlmesh serve {name}", description=description)
+    parser.add_argument("--config", "-c", help="YAML config file (verl key names)")
+    parser.add_argument("--ready-file", help="write {pid, grpc_port, metrics_port} as JSON here once serving")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rlmesh.reward.port=50051")
+    return parser
+
+
+def service_main(
+    name: str, build: BuildService, argv: Sequence[str] | None = None, description: str | None = None
+) -> int:
+    limit_torch_threads()
+    args = service_arg_parser(name, description).parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    section = getattr(cfg.rlmesh, name)
+    configure_logging(name, cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
+
+    async def run() -> None:
+        service = GrpcService(
+            name,
+            host=section.host,
+            port=section.port,
+            metrics_port=section.metrics_port,
+            auth_token=cfg.rlmesh.auth_token,
+            shutdown_grace_s=cfg.rlmesh.runtime.shutdown_grace_s,
+            ready_file=args.ready_file,
+        )
+        await build(service, cfg)
+        await service.serve()
+
+    try:
+        asyncio.run(run())
+    except Exception:
+        log.exception("service failed")
+        return 1
+    return 0

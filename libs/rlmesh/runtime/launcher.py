@@ -1,0 +1,253 @@
+"""Process launcher: a private redis-server and rlmesh services as child processes.
+
+Every child runs in its own process group and gets SIGTERM if the launcher dies (Linux
+``PR_SET_PDEATHSIG``), so a crashed or SIGKILLed launcher leaves no orphan. ``stop_all`` (also
+run on exit from the ``with`` block, on Ctrl-C and on error) sends SIGTERM to each group in
+reverse start order, waits up to the grace period, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from rlmesh.runtime.health import grpc_health, redis_ping
+
+log = logging.getLogger("rlmesh.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """A child failed to start or to become healthy; the message names it and quotes its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    info: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+
+@dataclass
+class RedisInstance:
+    process: ManagedProcess
+    host: str
+    port: int
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+
+@dataclass
+class ServiceInstance:
+    process: ManagedProcess
+    name: str
+    grpc_address: str
+    metrics_port: int | None
+
+
+class ProcessLauncher:
+    """Starts children, waits until each is healthy, and stops all of them on the way out."""
+
+    def __init__(self, workdir: str | os.PathLike[str] | None = None, *, stop_grace_s: float = 30.0) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="rlmesh-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        self.stop_grace_s = stop_grace_s
+        self.processes: list[ManagedProcess] = []
+
+    def __enter__(self) -> ProcessLauncher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        child_env = {**os.environ, **(env or {})}
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(
+                list(argv),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
+        self.processes.append(proc)
+        log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
+        return proc
+
+    def wait_ready(self, proc: ManagedProcess, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Polls ``ready`` until it holds; fails fast if the child exits, naming it with its log."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not proc.alive():
+                raise LaunchError(
+                    f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode} during start-up; "
+                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+                )
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s; "
+                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def start_redis(
+        self,
+        *,
+        name: str = "redis",
+        appendonly: bool = True,
+        timeout_s: float = 30.0,
+        port: int | None = None,
+    ) -> RedisInstance:
+        """A private redis-server on a free loopback port with its own data dir (AOF on by default)."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise LaunchError(
+                "redis-server not found on PATH: install it (`apt-get install redis-server`; "
+                "`make demo` does this) or point rlmesh.redis_url at a server"
+            )
+        host, port = "127.0.0.1", port or free_port()
+        data_dir = self.workdir / name
+        data_dir.mkdir(exist_ok=True)
+        argv = [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            host,
+            "--dir",
+            str(data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
+        ]
+        proc = self.spawn(name, argv)
+        self.wait_ready(proc, lambda: redis_ping(host, port), timeout_s)
+        return RedisInstance(process=proc, host=host, port=port, data_dir=data_dir)
+
+    def start_service(
+        self,
+        service: str,
+        *,
+        name: str | None = None,
+        config_path: str | os.PathLike[str] | None = None,
+        overrides: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        timeout_s: float = 120.0,
+        argv_prefix: Sequence[str] | None = None,
+    ) -> ServiceInstance:
+        """Runs ``rlmesh serve <service>`` and waits for its ready file and gRPC health SERVING."""
+        name = name or service
+        ready_file = self.workdir / f"{name}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        argv = list(argv_prefix or [sys.executable, "-m", "rlmesh.cli", "serve", service])
+        argv += ["--ready-file", str(ready_file)]
+        if config_path:
+            argv += ["--config", str(config_path)]
+        argv += list(overrides)
+        proc = self.spawn(name, argv, env)
+
+        def ready() -> bool:
+            if not ready_file.exists():
+                return False
+            proc.info = json.loads(ready_file.read_text())
+            return grpc_health(str(proc.info["grpc_address"]), timeout_s=1.0) == "SERVING"
+
+        self.wait_ready(proc, ready, timeout_s)
+        metrics_port = proc.info.get("metrics_port")
+        return ServiceInstance(
+            process=proc,
+            name=name,
+            grpc_address=str(proc.info["grpc_address"]),
+            metrics_port=int(metrics_port) if metrics_port is not None else None,
+        )
+
+    def stop(self, proc: ManagedProcess, grace_s: float | None = None) -> int | None:
+        """SIGTERM to the child's process group, SIGKILL after the grace period; returns its exit code."""
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        if proc.alive():
+            _signal_group(proc.popen, signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM for %.0f s: killing it", proc.name, proc.pid, grace)
+        # The leader may be gone while children it spawned are not: kill the whole group.
+        _signal_group(proc.popen, signal.SIGKILL)
+        proc.popen.wait()
+        return proc.popen.returncode
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.processes):
+            try:
+                code = self.stop(proc)
+                log.info("stopped %s (pid %d), exit code %s", proc.name, proc.pid, code)
+            except Exception:
+                log.exception("could not stop %s (pid %d)", proc.name, proc.pid)
+        self.processes.clear()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)  # start_new_session=True: the group id is the child's pid

@@ -1,0 +1,182 @@
+"""The gRPC service runtime every rlmesh service stands on.
+
+A ``GrpcService`` is an asyncio gRPC server with: the grpc.health.v1 health service, server
+reflection, an optional bearer-token interceptor, Prometheus metrics on ``/metrics`` over HTTP,
+and graceful shutdown — on SIGTERM or SIGINT it reports NOT_SERVING, stops accepting calls,
+lets in-flight calls finish within ``shutdown_grace_s``, runs the service's shutdown hooks and
+returns, so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from rlmesh.runtime.auth import BearerTokenInterceptor
+from rlmesh.runtime.metrics import MetricsHttpServer, MetricsInterceptor, RpcMetrics
+
+log = logging.getLogger("rlmesh.runtime")
+
+# Weights and trajectory batches are large: raise gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+AddServicer = Callable[[Any, grpc.aio.Server], None]
+ShutdownHook = Callable[[], Awaitable[None]]
+
+
+class GrpcService:
+    """One service process's server. Typical use::
+
+    service = GrpcService("reward", port=50051, metrics_port=9101)
+    service.add_servicer(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "rlmesh.v1.Reward")
+    await service.serve()   # returns after SIGTERM, once drained
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_host: str | None = None,
+        metrics_port: int | None = 0,
+        auth_token: str | None = None,
+        shutdown_grace_s: float = 30.0,
+        ready_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.requested_port = port
+        self.metrics_host = metrics_host or host
+        self.requested_metrics_port = metrics_port
+        self.shutdown_grace_s = shutdown_grace_s
+        self.ready_file = Path(ready_file) if ready_file else None
+        self.registry = CollectorRegistry()
+        self.rpc_metrics = RpcMetrics(self.registry, name)
+        # Metrics outermost, so refused (unauthenticated) calls are counted too.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.rpc_metrics)]
+        if auth_token:
+            interceptors.append(BearerTokenInterceptor(auth_token))
+        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        self.health = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = []
+        self._shutdown_hooks: list[ShutdownHook] = []
+        self._stop_requested = asyncio.Event()
+        self.port: int | None = None
+        self.metrics_server: MetricsHttpServer | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name}: not started")
+        return f"{self.host}:{self.port}"
+
+    def add_servicer(self, add_fn: AddServicer, servicer: Any, full_service_name: str) -> None:
+        """Registers a generated servicer, e.g. ``reward_pb2_grpc.add_RewardServicer_to_server``."""
+        add_fn(servicer, self.server)
+        self._service_names.append(full_service_name)
+
+    def on_shutdown(self, hook: ShutdownHook) -> None:
+        """Runs ``hook`` after in-flight RPCs finished (or the grace period ran out), in reverse order."""
+        self._shutdown_hooks.append(hook)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Flips health for the server and each service (e.g. while a replica drains)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service_name in ("", *self._service_names):
+            await self.health.set(service_name, status)
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection(
+            [
+                *self._service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"{self.name}: could not bind gRPC on {self.host}:{self.requested_port}")
+        await self.server.start()
+        if self.requested_metrics_port is not None:
+            self.metrics_server = MetricsHttpServer(
+                self.registry, self.metrics_host, self.requested_metrics_port
+            )
+        await self.set_serving(True)
+        log.info(
+            "serving",
+            extra={
+                "grpc_address": self.address,
+                "metrics_port": self.metrics_port,
+                "services": self._service_names,
+            },
+        )
+        if self.ready_file is not None:
+            self._write_ready_file()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server else None
+
+    def _write_ready_file(self) -> None:
+        assert self.ready_file is not None
+        info = {
+            "name": self.name,
+            "pid": os.getpid(),
+            "grpc_address": self.address,
+            "grpc_port": self.port,
+            "metrics_port": self.metrics_port,
+        }
+        tmp = self.ready_file.with_name(self.ready_file.name + ".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(self.ready_file)  # atomic: a reader never sees half a file
+
+    async def stop(self) -> None:
+        """Graceful stop: NOT_SERVING, refuse new calls, drain in-flight ones, run hooks."""
+        log.info("stopping: draining in-flight RPCs", extra={"grace_s": self.shutdown_grace_s})
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.shutdown_grace_s)
+        for hook in reversed(self._shutdown_hooks):
+            try:
+                await hook()
+            except Exception:
+                log.exception("shutdown hook failed")
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        log.info("stopped")
+
+    async def serve(self) -> None:
+        """Starts, waits for SIGTERM/SIGINT (or ``request_stop``), then stops gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self.stop()

@@ -1,0 +1,2 @@
+"""rlmesh services: one folder each, thin shells over ``rlmesh`` (libs/). Services never import
+each other; they talk over gRPC and Redis."""

@@ -1,0 +1,5 @@
+import sys
+
+from rlmesh_services.reward.main import main
+
+sys.exit(main())

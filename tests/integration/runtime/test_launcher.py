@@ -1,0 +1,109 @@
+"""The process launcher with real redis-server and real service processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmesh.runtime.health import grpc_health, redis_ping
+from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+from tests.helpers import child_env, pid_alive, wait_until
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_private_redis_answers_and_is_gone_after_exit(tmp_path):
+    with ProcessLauncher(tmp_path) as launcher:
+        redis = launcher.start_redis()
+        assert redis_ping(redis.host, redis.port)
+        assert (redis.data_dir).is_dir()
+        pid = redis.process.pid
+    assert not pid_alive(pid)
+    assert not redis_ping(redis.host, redis.port)
+
+
+def test_a_child_that_dies_during_start_up_is_named_with_its_log(tmp_path):
+    with ProcessLauncher(tmp_path) as launcher:
+        with pytest.raises(LaunchError) as err:
+            launcher.start_service(
+                "crashy",
+                argv_prefix=[sys.executable, "-c", "import sys; print('boom: bad things'); sys.exit(3)"],
+            )
+        msg = str(err.value)
+        assert "crashy" in msg and "exited with code 3" in msg and "boom: bad things" in msg
+
+
+def test_failure_in_the_middle_of_start_up_leaves_no_child_alive(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.runtime.launcher_script", "fail", str(tmp_path)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0, "start-up should have failed"
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "reference" in pids["error"] and "rlmesh.reference.port" in pids["error"]
+    for name in ("redis", "reward", "reference"):
+        assert not pid_alive(pids[name]), f"{name} (pid {pids[name]}) outlived the failed start-up"
+
+
+def test_sigkilled_launcher_leaves_no_orphan(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.runtime.launcher_script", "hold", str(tmp_path)],
+        cwd=REPO,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, "launcher script printed nothing"
+        pids = json.loads(line)
+        assert all(pid_alive(p) for p in pids.values())
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
+        proc.wait(timeout=30)
+        for name, pid in pids.items():
+            wait_until(
+                lambda pid=pid: not pid_alive(pid), 60, f"{name} (pid {pid}) to exit after its parent died"
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path):
+    with ProcessLauncher(tmp_path, stop_grace_s=1) as launcher:
+        stubborn = launcher.spawn(
+            "stubborn",
+            [
+                sys.executable,
+                "-c",
+                "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                "time.sleep(600)",
+            ],
+        )
+        wait_until(lambda: "ready" in stubborn.log_tail(), 30, "the stubborn child to start")
+        code = launcher.stop(stubborn)
+    assert code == -signal.SIGKILL
+    assert not pid_alive(stubborn.pid)
+
+
+def test_start_service_waits_for_health(tmp_path):
+    with ProcessLauncher(tmp_path) as launcher:
+        svc = launcher.start_service(
+            "reward", overrides=["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
+        )
+        assert grpc_health(svc.grpc_address) == "SERVING"
+        assert svc.metrics_port
+        pid = svc.process.pid
+        code = launcher.stop(svc.process)
+    assert code == 0, "a service must exit 0 on SIGTERM"
+    assert not pid_alive(pid)

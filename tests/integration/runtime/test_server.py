@@ -1,0 +1,187 @@
+"""The service runtime against real gRPC servers on loopback."""
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rlmesh.runtime.auth import client_auth_interceptors
+from rlmesh.runtime.health import scrape_metrics
+from rlmesh.runtime.server import GrpcService
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.helpers import child_env, wait_until
+
+TOKEN = "s3cret-token"
+
+
+class CountingReward(reward_pb2_grpc.RewardServicer):
+    async def Score(self, request, context):
+        if not request.samples:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ScoreRequest.samples is empty")
+        return reward_pb2.ScoreResponse(
+            results=[
+                reward_pb2.RewardResult(uid=s.uid, score=float(i)) for i, s in enumerate(request.samples)
+            ]
+        )
+
+
+async def _start(token: str | None = None) -> GrpcService:
+    service = GrpcService("reward", port=0, metrics_port=0, auth_token=token, shutdown_grace_s=5)
+    service.add_servicer(reward_pb2_grpc.add_RewardServicer_to_server, CountingReward(), "rlmesh.v1.Reward")
+    await service.start()
+    return service
+
+
+def _request(n: int = 2) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(samples=[reward_pb2.RewardSample(uid=f"u{i}") for i in range(n)])
+
+
+async def _health(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+        return reply.status
+
+
+async def test_auth_refuses_missing_and_wrong_tokens_and_leaves_health_open():
+    service = await _start(TOKEN)
+    try:
+        async with grpc.aio.insecure_channel(service.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await reward_pb2_grpc.RewardStub(ch).Score(_request(), timeout=5)
+            assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "missing 'authorization: Bearer" in missing.value.details()
+        async with grpc.aio.insecure_channel(
+            service.address, interceptors=client_auth_interceptors("wrong")
+        ) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as wrong:
+                await reward_pb2_grpc.RewardStub(ch).Score(_request(), timeout=5)
+            assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "invalid bearer token" in wrong.value.details()
+        async with grpc.aio.insecure_channel(
+            service.address, interceptors=client_auth_interceptors(TOKEN)
+        ) as ch:
+            reply = await reward_pb2_grpc.RewardStub(ch).Score(_request(3), timeout=5)
+            assert [r.score for r in reply.results] == [0.0, 1.0, 2.0]
+        assert await _health(service.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await service.stop()
+
+
+async def test_without_token_configured_calls_need_no_auth():
+    service = await _start(None)
+    try:
+        async with grpc.aio.insecure_channel(service.address) as ch:
+            reply = await reward_pb2_grpc.RewardStub(ch).Score(_request(1), timeout=5)
+        assert len(reply.results) == 1
+    finally:
+        await service.stop()
+
+
+async def test_health_reports_serving_not_serving_and_unknown_services():
+    service = await _start()
+    try:
+        assert await _health(service.address) == health_pb2.HealthCheckResponse.SERVING
+        assert await _health(service.address, "rlmesh.v1.Reward") == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await _health(service.address, "rlmesh.v1.NoSuchService")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        await service.set_serving(False)
+        assert await _health(service.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (
+            await _health(service.address, "rlmesh.v1.Reward") == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await service.set_serving(True)
+        assert await _health(service.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await service.stop()
+
+
+async def test_metrics_count_calls_errors_and_latency_per_method():
+    service = await _start(TOKEN)
+    try:
+        async with grpc.aio.insecure_channel(
+            service.address, interceptors=client_auth_interceptors(TOKEN)
+        ) as ch:
+            stub = reward_pb2_grpc.RewardStub(ch)
+            for _ in range(3):
+                await stub.Score(_request(), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Score(reward_pb2.ScoreRequest(), timeout=5)
+        async with grpc.aio.insecure_channel(service.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await reward_pb2_grpc.RewardStub(ch).Score(_request(), timeout=5)
+        text = await asyncio.to_thread(scrape_metrics, "127.0.0.1", service.metrics_port)
+    finally:
+        await service.stop()
+    method = re.escape("/rlmesh.v1.Reward/Score")
+
+    def value(metric: str, **labels: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{metric} {labels} not in /metrics")
+
+    assert value("rlmesh_rpc_requests_total", method="/rlmesh.v1.Reward/Score", code="OK") == 3
+    assert value("rlmesh_rpc_requests_total", method="/rlmesh.v1.Reward/Score", code="INVALID_ARGUMENT") == 1
+    assert value("rlmesh_rpc_errors_total", method="/rlmesh.v1.Reward/Score", code="UNAUTHENTICATED") == 1
+    assert value("rlmesh_rpc_latency_seconds_count", method="/rlmesh.v1.Reward/Score") == 5
+    assert value("rlmesh_rpc_in_flight", method="/rlmesh.v1.Reward/Score") == 0
+    assert re.search(rf'rlmesh_rpc_latency_seconds_bucket{{.*method="{method}".*}}', text)
+
+
+def test_sigterm_during_a_slow_rpc_lets_it_finish_and_exits_zero(tmp_path):
+    ready = tmp_path / "ready.json"
+    release = tmp_path / "release"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.runtime.slow_server", str(ready), "30"],
+        cwd=Path(__file__).resolve().parents[3],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 60, "the server's ready file")
+        assert proc.poll() is None, proc.stderr.read()
+        info = json.loads(ready.read_text())
+        result: dict[str, object] = {}
+
+        def call() -> None:
+            with grpc.insecure_channel(info["grpc_address"]) as ch:
+                try:
+                    req = reward_pb2.ScoreRequest(samples=[reward_pb2.RewardSample(uid=str(release))])
+                    result["reply"] = reward_pb2_grpc.RewardStub(ch).Score(req, timeout=60)
+                except grpc.RpcError as e:
+                    result["error"] = e
+
+        caller = threading.Thread(target=call)
+        caller.start()
+
+        def in_flight() -> bool:
+            text = scrape_metrics("127.0.0.1", info["metrics_port"])
+            return 'rlmesh_rpc_in_flight{method="/rlmesh.v1.Reward/Score",service="reward"} 1.0' in text
+
+        wait_until(in_flight, 30, "the Score call to be in flight")
+        proc.send_signal(signal.SIGTERM)
+        release.touch()  # the in-flight call may finish now; the server must let it
+        caller.join(timeout=60)
+        assert "error" not in result, result.get("error")
+        assert result["reply"].results[0].score == 1.0
+        assert proc.wait(timeout=60) == 0
+        logs = proc.stderr.read()
+        assert '"msg": "stopping: draining in-flight RPCs"' in logs and '"msg": "stopped"' in logs
+        assert '"service": "reward"' in logs and '"run_id": "test-run"' in logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

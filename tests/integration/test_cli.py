@@ -1,0 +1,57 @@
+"""The `rlmesh` command as a user runs it."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import child_env, pid_alive
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rlmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlmesh.cli", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_the_subcommands():
+    out = rlmesh("--help")
+    assert out.returncode == 0
+    for command in ("serve", "up", "redis", "config", "health", "protos"):
+        assert re.search(rf"^\s+{command}\s", out.stdout, re.M), f"{command} missing from --help"
+
+
+def test_serve_unknown_service_lists_the_known_ones():
+    out = rlmesh("serve", "nope")
+    assert out.returncode == 2
+    assert "unknown service 'nope'" in out.stderr
+    for name in ("learner", "reference", "reward", "rollout"):
+        assert name in out.stderr
+
+
+def test_serve_with_a_bad_override_exits_2_naming_the_key():
+    out = rlmesh("serve", "reward", "rlmesh.reward.prot=1")
+    assert out.returncode == 2
+    assert "rlmesh.reward.prot" in out.stderr and "rlmesh.reward.port" in out.stderr
+
+
+def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
+    out = rlmesh("up", "rlmesh.log_format=text")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PING: PONG" in out.stdout
+    pids = []
+    for name in ("reward", "reference", "rollout", "learner"):
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(f"[rlmesh up] {name} ")), None)
+        assert line, f"no status line for {name}:\n{out.stdout}"
+        assert "health: SERVING" in line and "rlmesh series" in line
+        pids.append(int(re.search(r"pid (\d+)", line).group(1)))
+    pids.append(int(re.search(r"redis\s+pid (\d+)", out.stdout).group(1)))
+    assert "all processes stopped" in out.stdout
+    assert not any(pid_alive(p) for p in pids)
