@@ -1,0 +1,277 @@
+"""A typed work queue on a Redis Stream with a consumer group: at-least-once delivery.
+
+- ``put`` adds protobuf messages atomically (a Lua script) and refuses, with ``QueueFullError``,
+  a batch that would take the stream past ``maxlen``: unconsumed work is never trimmed away.
+- ``claim`` returns, in this order: this consumer's own pending entries left from before a
+  reconnect or restart, entries other consumers claimed but left idle for ``claim_idle_ms``
+  (a dead consumer's work), then new entries.
+- ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work.
+- Poison entries (undecodable, or delivered more than ``max_deliveries`` times) move to the
+  dead-letter stream with the reason; they never block the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError, Message
+from prometheus_client import CollectorRegistry, Counter
+from redis.exceptions import ResponseError
+
+log = logging.getLogger("rlmesh.queue")
+
+M = TypeVar("M", bound=Message)
+
+PAYLOAD = b"p"
+DEAD_LETTER_MAXLEN = 100_000
+
+# Check-and-add in one step so concurrent producers cannot overshoot maxlen together.
+_PUT_SCRIPT = """
+local n = #ARGV - 1
+local maxlen = tonumber(ARGV[1])
+local len = redis.call('XLEN', KEYS[1])
+if len + n > maxlen then
+  return redis.error_reply('QUEUE_FULL ' .. len .. ' ' .. n .. ' ' .. maxlen)
+end
+local ids = {}
+for i = 1, n do
+  ids[i] = redis.call('XADD', KEYS[1], '*', 'p', ARGV[i + 1])
+end
+return ids
+"""
+
+
+class QueueFullError(RuntimeError):
+    """Adding would take a stream past its bound; nothing was added."""
+
+
+@dataclass
+class Delivery(Generic[M]):
+    entry_id: bytes
+    message: M
+    # How many times the entry has been handed to a consumer, this time included.
+    deliveries: int
+
+
+class QueueMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # registry=None keeps the counters unregistered (tests, several queues in one process).
+        kw = {"registry": registry}
+        self.enqueued = Counter("rlmesh_queue_enqueued", "Messages added", ["stream"], **kw)
+        self.delivered = Counter(
+            "rlmesh_queue_delivered", "Messages handed to this consumer", ["stream", "how"], **kw
+        )
+        self.acked = Counter("rlmesh_queue_acked", "Messages acknowledged", ["stream"], **kw)
+        self.dead_lettered = Counter(
+            "rlmesh_queue_dead_lettered", "Messages moved to dead letters", ["stream", "reason"], **kw
+        )
+        self.full = Counter(
+            "rlmesh_queue_full", "put() calls refused because the stream was full", ["stream"], **kw
+        )
+
+
+class StreamQueue(Generic[M]):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        message_type: type[M],
+        *,
+        maxlen: int,
+        dead_letter_stream: str,
+        max_deliveries: int = 3,
+        claim_idle_ms: int = 60_000,
+        metrics: QueueMetrics | None = None,
+    ) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.message_type = message_type
+        self.maxlen = maxlen
+        self.dead_letter_stream = dead_letter_stream
+        self.max_deliveries = max_deliveries
+        self.claim_idle_ms = claim_idle_ms
+        self.metrics = metrics
+        self._put = redis.register_script(_PUT_SCRIPT)
+        self._read_own_pending = True
+        self._label = stream.rsplit(":", 1)[-1]
+
+    async def ensure_group(self) -> None:
+        """Creates the stream and its consumer group (from the first entry) if missing."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def put(self, messages: Sequence[M]) -> list[bytes]:
+        """Adds messages in order; all or none. Raises ``QueueFullError`` past ``maxlen``."""
+        if not messages:
+            return []
+        try:
+            ids = await self._put(
+                keys=[self.stream], args=[self.maxlen, *(m.SerializeToString() for m in messages)]
+            )
+        except ResponseError as e:
+            if str(e).startswith("QUEUE_FULL"):
+                _, length, adding, maxlen = str(e).split()
+                if self.metrics:
+                    self.metrics.full.labels(self._label).inc()
+                raise QueueFullError(
+                    f"stream {self.stream} holds {length} unfinished entries; adding {adding} would exceed its "
+                    f"bound of {maxlen} (rlmesh.queue.*_stream_maxlen): the consumers are not keeping up"
+                ) from None
+            raise
+        if self.metrics:
+            self.metrics.enqueued.labels(self._label).inc(len(messages))
+        return list(ids)
+
+    async def claim(self, count: int, block_ms: int | None = None) -> list[Delivery[M]]:
+        """Up to ``count`` entries for this consumer; waits up to ``block_ms`` only when none is ready."""
+        out: list[Delivery[M]] = []
+        if self._read_own_pending:
+            entries = await self._read(count, "0", None)
+            if len(entries) < count:
+                self._read_own_pending = False
+            out += await self._accept(entries, "own_pending", await self._delivery_counts(entries))
+        if len(out) < count:
+            out += await self._reclaim(count - len(out))
+        if len(out) < count:
+            entries = await self._read(count - len(out), ">", None if out else block_ms)
+            out += await self._accept(entries, "new", {eid: 1 for eid, _ in entries})
+        return out
+
+    async def ack(self, entry_ids: Sequence[bytes]) -> None:
+        """Acknowledges and deletes; acking an entry twice is harmless."""
+        if not entry_ids:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, self.group, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+            await pipe.execute()
+        if self.metrics:
+            self.metrics.acked.labels(self._label).inc(len(entry_ids))
+
+    async def dead_letter(self, entry_id: bytes, payload: bytes | None, reason: str, deliveries: int) -> None:
+        """Moves an entry to the dead-letter stream with the reason, atomically with its ack."""
+        log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(
+                self.dead_letter_stream,
+                {
+                    b"stream": self.stream,
+                    b"entry_id": entry_id,
+                    b"reason": reason,
+                    b"deliveries": deliveries,
+                    PAYLOAD: payload or b"",
+                },
+                maxlen=DEAD_LETTER_MAXLEN,
+                approximate=True,
+            )
+            pipe.xack(self.stream, self.group, entry_id)
+            pipe.xdel(self.stream, entry_id)
+            await pipe.execute()
+        if self.metrics:
+            self.metrics.dead_lettered.labels(self._label, reason.split(":", 1)[0]).inc()
+
+    async def length(self) -> int:
+        """Entries not yet acknowledged (waiting or being worked on)."""
+        return int(await self.redis.xlen(self.stream))
+
+    async def pending(self) -> int:
+        """Entries handed to a consumer and not yet acknowledged."""
+        summary = await self.redis.xpending(self.stream, self.group)
+        return int(summary["pending"])
+
+    async def _read(self, count: int, start: str, block_ms: int | None) -> list[tuple[bytes, dict | None]]:
+        reply = await self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
+        )
+        if not reply:
+            return []
+        [[_stream, entries]] = reply  # RESP2: one [stream, [(id, fields), ...]] per stream asked
+        return [(eid, fields) for eid, fields in entries]
+
+    async def _reclaim(self, count: int) -> list[Delivery[M]]:
+        """Claims entries other consumers left idle past ``claim_idle_ms``. Not XAUTOCLAIM: that
+        would also hand a live consumer its own slow entries again."""
+        rows = await self.redis.xpending_range(
+            self.stream, self.group, min="-", max="+", count=count * 4 + 16, idle=self.claim_idle_ms
+        )
+        ids = [row["message_id"] for row in rows if row["consumer"].decode() != self.consumer][:count]
+        if not ids:
+            return []
+        # XCLAIM re-checks the idle time, so two consumers racing for one entry cannot both win.
+        entries = await self.redis.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, ids)
+        # An entry deleted while pending comes back without fields and is acked in _accept.
+        entries = [(eid, fields) for eid, fields in entries]
+        if entries:
+            log.warning("reclaimed %d idle entries of %s from other consumers", len(entries), self.stream)
+        return await self._accept(entries, "reclaimed", await self._delivery_counts(entries))
+
+    async def touch(self, entry_ids: Sequence[bytes]) -> None:
+        """Resets the idle time of entries this consumer is still working on (long generations),
+        so others do not reclaim them; the delivery count is unchanged."""
+        if entry_ids:
+            await self.redis.xclaim(self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True)
+
+    async def _delivery_counts(self, entries: Sequence[tuple[bytes, object]]) -> dict[bytes, int]:
+        if not entries:
+            return {}
+        ids = [eid for eid, _ in entries]
+        rows = await self.redis.xpending_range(
+            self.stream,
+            self.group,
+            min=min(ids),
+            max=max(ids),
+            count=len(ids) * 4 + 16,
+            consumername=self.consumer,
+        )
+        wanted = set(ids)
+        counts = {
+            row["message_id"]: int(row["times_delivered"]) for row in rows if row["message_id"] in wanted
+        }
+        return {eid: counts.get(eid, 1) for eid in ids}
+
+    async def _accept(
+        self, entries: Sequence[tuple[bytes, dict | None]], how: str, deliveries: dict[bytes, int]
+    ) -> list[Delivery[M]]:
+        out: list[Delivery[M]] = []
+        for eid, fields in entries:
+            n = deliveries.get(eid, 1)
+            if not fields:
+                # Deleted while pending (already acked elsewhere): nothing left to do.
+                await self.ack([eid])
+                continue
+            payload = fields.get(PAYLOAD)
+            if payload is None:
+                await self.dead_letter(eid, None, f"malformed: entry has no '{PAYLOAD.decode()}' field", n)
+                continue
+            if n > self.max_deliveries:
+                await self.dead_letter(
+                    eid,
+                    payload,
+                    f"redelivered: handed out {n} times without an ack (max_deliveries={self.max_deliveries})",
+                    n,
+                )
+                continue
+            try:
+                message = self.message_type.FromString(payload)
+            except DecodeError as e:
+                await self.dead_letter(
+                    eid, payload, f"undecodable: not a {self.message_type.__name__}: {e}", n
+                )
+                continue
+            out.append(Delivery(entry_id=eid, message=message, deliveries=n))
+        if out and self.metrics:
+            self.metrics.delivered.labels(self._label, how).inc(len(out))
+        return out

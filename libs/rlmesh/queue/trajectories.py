@@ -1,0 +1,84 @@
+"""The learner's side of the trajectory stream: batches with every uid at most once, and a
+commit that marks their uids used and acks them in one transaction.
+
+Exactly-once in effect: a trajectory is acked only in ``commit``, after the step that trained on
+it was committed; a redelivery (a replica retried a publish, a task was reclaimed, the learner
+restarted before acking) carries a uid that is either in the batch being built or in the used
+set, so it is acked and dropped instead of counted twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rlmesh.queue.streams import StreamQueue
+from rlmesh.v1 import trajectory_pb2
+
+Trajectory = trajectory_pb2.Trajectory
+
+
+@dataclass
+class CollectedBatch:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    entry_ids: list[bytes] = field(default_factory=list)
+    duplicates: int = 0
+
+    @property
+    def uids(self) -> list[str]:
+        return [t.uid for t in self.trajectories]
+
+
+class TrajectoryCollector:
+    def __init__(self, queue: StreamQueue[Trajectory], used_uids_key: str) -> None:
+        self.queue = queue
+        self.redis = queue.redis
+        self.used_uids_key = used_uids_key
+
+    async def collect(self, batch: CollectedBatch, want: int, block_ms: int = 1000) -> CollectedBatch:
+        """Adds up to ``want - len(batch)`` new, unique trajectories to ``batch`` (one claim round)."""
+        missing = want - len(batch.trajectories)
+        if missing <= 0:
+            return batch
+        deliveries = await self.queue.claim(missing, block_ms=block_ms)
+        if not deliveries:
+            return batch
+        used = await self.redis.smismember(self.used_uids_key, [d.message.uid for d in deliveries])
+        in_batch = set(batch.uids)
+        redundant: list[bytes] = []
+        for delivery, already_used in zip(deliveries, used, strict=True):
+            uid = delivery.message.uid
+            if already_used or uid in in_batch:
+                redundant.append(delivery.entry_id)
+                continue
+            in_batch.add(uid)
+            batch.trajectories.append(delivery.message)
+            batch.entry_ids.append(delivery.entry_id)
+        if redundant:
+            # Safe to ack now: the uid is already trained on, or its first copy is held in this batch.
+            batch.duplicates += len(redundant)
+            await self.queue.ack(redundant)
+        return batch
+
+    async def collect_until(self, want: int, timeout_s: float, block_ms: int = 500) -> CollectedBatch:
+        """Collects until ``want`` trajectories or ``timeout_s``; returns what it has either way."""
+        batch = CollectedBatch()
+        deadline = time.monotonic() + timeout_s
+        while len(batch.trajectories) < want and time.monotonic() < deadline:
+            await self.collect(batch, want, block_ms=block_ms)
+        return batch
+
+    async def commit(self, batch: CollectedBatch) -> None:
+        """Marks the batch's uids used and acks its entries, atomically."""
+        if not batch.trajectories:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(self.used_uids_key, *batch.uids)
+            pipe.xack(self.queue.stream, self.queue.group, *batch.entry_ids)
+            pipe.xdel(self.queue.stream, *batch.entry_ids)
+            await pipe.execute()
+        if self.queue.metrics:
+            self.queue.metrics.acked.labels(self.queue._label).inc(len(batch.entry_ids))
+
+    async def used(self, uids: list[str]) -> list[bool]:
+        return [bool(x) for x in await self.redis.smismember(self.used_uids_key, uids)] if uids else []
