@@ -1,0 +1,80 @@
+"""rlmesh's typed config tree: verl's keys and defaults, plus the `rlmesh` section.
+
+    cfg = load_config("examples/cpu_demo.yaml", ["actor_rollout_ref.actor.optim.lr=1e-6"])
+    cfg.actor_rollout_ref.actor.clip_ratio
+
+Every key has a description; `keys_markdown_table()` renders them all for the README.
+"""
+
+from rlmesh.config.actor import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    ModelConfig,
+    RefConfig,
+    RolloutConfig,
+    SglangConfig,
+    ValKwargs,
+)
+from rlmesh.config.base import COMPAT_DESCRIPTION, ConfigWarning
+from rlmesh.config.engine import DeepSpeedConfig, EngineSettings, FsdpConfig, OptimConfig
+from rlmesh.config.errors import ConfigError
+from rlmesh.config.keys import ConfigKey, config_keys, keys_markdown_table
+from rlmesh.config.loader import ENV_AUTH_TOKEN, config_from_dict, dump_yaml, load_config
+from rlmesh.config.rlmesh_section import (
+    SERVICE_PORTS,
+    QueueConfig,
+    RlmeshSection,
+    RuntimeConfig,
+    ServiceConfig,
+    WeightSyncConfig,
+)
+from rlmesh.config.schema import RLMeshConfig
+from rlmesh.config.sections import (
+    AlgorithmConfig,
+    CriticConfig,
+    CustomRewardFunctionConfig,
+    DataConfig,
+    KLCtrlConfig,
+    RewardModelConfig,
+    RolloutCorrectionConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "COMPAT_DESCRIPTION",
+    "ENV_AUTH_TOKEN",
+    "SERVICE_PORTS",
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "ConfigError",
+    "ConfigKey",
+    "ConfigWarning",
+    "CriticConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "EngineSettings",
+    "FsdpConfig",
+    "KLCtrlConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "QueueConfig",
+    "RLMeshConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RlmeshSection",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RuntimeConfig",
+    "ServiceConfig",
+    "SglangConfig",
+    "TrainerConfig",
+    "ValKwargs",
+    "WeightSyncConfig",
+    "config_from_dict",
+    "config_keys",
+    "dump_yaml",
+    "keys_markdown_table",
+    "load_config",
+]

@@ -1,0 +1,296 @@
+"""The `actor_rollout_ref` section: policy model, actor training, rollout engine, reference policy.
+
+Keys and defaults follow verl's ppo_trainer.yaml (model/hf_model.yaml, actor/actor.yaml +
+actor/dp_actor.yaml, rollout/rollout.yaml, ref/ref.yaml + ref/dp_ref.yaml). Fields documented as
+"null = ..." follow another key the way verl's `${...}` interpolations do; RLMeshConfig fills them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from rlmesh.config.base import (
+    STRATEGY_DESCRIPTION,
+    DType,
+    KLPenalty,
+    LossAggMode,
+    Section,
+    Strategy,
+    compat,
+)
+from rlmesh.config.engine import (
+    DeepSpeedConfig,
+    EngineSettings,
+    FsdpConfig,
+    OptimConfig,
+    RefFsdpConfig,
+    effective_engine,
+)
+
+ROLLOUT_ENGINES = ("embedded", "sglang")
+
+
+class ModelConfig(Section):
+    """The policy model (actor, rollout and reference start from it)."""
+
+    path: str = Field("~/models/deepseek-llm-7b-chat", description="HF model id or local path of the policy")
+    tokenizer_path: str | None = Field(None, description="tokenizer to load; null = path")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from the model repo")
+    override_config: dict[str, Any] = Field(
+        default_factory=dict, description="entries that override the model's HF config on load"
+    )
+    enable_gradient_checkpointing: bool = Field(
+        True, description="recompute activations in backward to save memory"
+    )
+    lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning")
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha (scaling = alpha / rank)")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="LoRA target modules: 'all-linear' or a list of module names"
+    )
+    use_remove_padding: Any = compat(True)
+    hf_config_path: Any = compat(None)
+    use_shm: Any = compat(False)
+    custom_chat_template: Any = compat(None)
+    external_lib: Any = compat(None)
+    enable_activation_offload: Any = compat(False)
+    exclude_modules: Any = compat(None)
+    lora_adapter_path: Any = compat(None)
+    use_liger: Any = compat(False)
+    use_fused_kernels: Any = compat(False)
+    fused_kernel_options: Any = compat({"impl_backend": "torch"})
+    tiled_mlp: Any = compat({"enabled": False, "num_shards": 4})
+    mtp: Any = compat({})
+
+
+class PolicyLossConfig(Section):
+    """verl's policy_loss section; rlmesh implements the vanilla (dual-)clipped surrogate only."""
+
+    loss_mode: Literal["vanilla"] = Field(
+        "vanilla", description="policy loss; only verl's 'vanilla' PPO clipped surrogate is implemented"
+    )
+    clip_cov_ratio: Any = compat(0.0002)
+    clip_cov_lb: Any = compat(1.0)
+    clip_cov_ub: Any = compat(5.0)
+    kl_cov_ratio: Any = compat(0.0002)
+    ppo_kl_coef: Any = compat(0.1)
+
+
+class ActorConfig(Section):
+    """PPO actor training (verl actor/actor.yaml + actor/dp_actor.yaml)."""
+
+    strategy: Strategy = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    ppo_mini_batch_size: int = Field(
+        256, gt=0, description="prompts per PPO mini-batch (one optimizer step); times rollout.n samples"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per forward/backward on one device; null = whole mini-batch at once"
+    )
+    use_dynamic_bsz: bool = Field(
+        False, description="pack micro-batches by token count instead of sample count"
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        16384, gt=0, description="token budget of one packed micro-batch when use_dynamic_bsz"
+    )
+    clip_ratio: float = Field(0.2, ge=0, description="PPO clip range epsilon")
+    clip_ratio_low: float | None = Field(
+        0.2, ge=0, description="lower clip epsilon (1 - low); null = clip_ratio"
+    )
+    clip_ratio_high: float | None = Field(
+        0.2, ge=0, description="upper clip epsilon (1 + high); null = clip_ratio"
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1, description="dual-clip constant C (> 1) bounding the loss when A < 0"
+    )
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="how per-token losses are averaged into one loss"
+    )
+    entropy_coeff: float = Field(0.0, description="entropy bonus coefficient in the policy loss")
+    use_kl_loss: bool = Field(False, description="add KL(actor || reference) to the loss (GRPO style)")
+    kl_loss_coef: float = Field(0.001, ge=0, description="coefficient of the KL loss")
+    kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator for the KL loss")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch of rollouts")
+    shuffle: bool = Field(False, description="shuffle samples between PPO epochs")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="actor optimizer")
+    fsdp_config: FsdpConfig = Field(default_factory=FsdpConfig, description="verl FSDP keys (offload, dtype)")
+    deepspeed_config: DeepSpeedConfig = Field(
+        default_factory=DeepSpeedConfig, description="DeepSpeed ZeRO settings"
+    )
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="policy loss variant")
+    ppo_micro_batch_size: Any = compat(None)
+    rollout_n: Any = compat(1)
+    tau_pos: Any = compat(1.0)
+    tau_neg: Any = compat(1.05)
+    freeze_vision_tower: Any = compat(False)
+    loss_scale_factor: Any = compat(None)
+    calculate_entropy: Any = compat(False)
+    use_prefix_grouper: Any = compat(False)
+    use_torch_compile: Any = compat(True)
+    data_loader_seed: Any = compat(42)
+    checkpoint: Any = compat({})
+    use_fused_kernels: Any = compat(False)
+    profiler: Any = compat({})
+    router_replay: Any = compat({})
+    ulysses_sequence_parallel_size: Any = compat(1)
+    entropy_from_logits_with_chunking: Any = compat(False)
+    entropy_checkpointing: Any = compat(False)
+    use_remove_padding: Any = compat(True)
+    calculate_sum_pi_squared: Any = compat(False)
+    sum_pi_squared_checkpointing: Any = compat(False)
+    megatron: Any = compat(None)
+
+    def effective_engine(self) -> EngineSettings:
+        """ZeRO stage, offload flags and dtype after mapping verl's fsdp_config onto deepspeed_config."""
+        return effective_engine(self.deepspeed_config, self.fsdp_config)
+
+
+class ValKwargs(Section):
+    """Sampling for validation generations."""
+
+    top_k: int = Field(-1, ge=-1, description="top-k for validation; -1 or 0 = off")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling p for validation")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature for validation")
+    n: int = Field(1, ge=1, description="samples per validation prompt")
+    do_sample: bool = Field(False, description="sample during validation; false = greedy")
+
+
+class SglangConfig(Section):
+    """How the rollout service reaches SGLang (rollout.name=sglang)."""
+
+    url: list[str] = Field(
+        default_factory=list, description="attach to these running SGLang servers; empty = launch one"
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="extra command-line arguments for a launched sglang.launch_server"
+    )
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _one_url(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class RolloutConfig(Section):
+    """Generation (verl rollout/rollout.yaml)."""
+
+    name: Literal["embedded", "sglang"] = Field(
+        "embedded", description="rollout engine: 'embedded' (CPU, HF transformers) or 'sglang' (GPU)"
+    )
+    n: int = Field(1, ge=1, description="responses sampled per prompt (> 1 for grpo/rloo)")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 = off")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling p")
+    do_sample: bool = Field(True, description="sample; false = greedy")
+    prompt_length: int | None = Field(
+        None, gt=0, description="max prompt tokens; null = data.max_prompt_length"
+    )
+    response_length: int | None = Field(
+        None, gt=0, description="max generated tokens; null = data.max_response_length"
+    )
+    dtype: DType = Field("bfloat16", description="inference weights dtype")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory fraction SGLang may use")
+    tensor_model_parallel_size: int = Field(2, ge=1, description="tensor-parallel size of one SGLang server")
+    ignore_eos: bool = Field(False, description="keep generating past EOS")
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per forward when recomputing log-probs; null = whole batch"
+    )
+    log_prob_use_dynamic_bsz: bool | None = Field(
+        None, description="token-packed log-prob batches; null = actor.use_dynamic_bsz"
+    )
+    log_prob_max_token_len_per_gpu: int | None = Field(
+        None,
+        gt=0,
+        description="token budget of a packed log-prob batch; null = actor.ppo_max_token_len_per_gpu",
+    )
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="sampling for validation")
+    sglang: SglangConfig = Field(default_factory=SglangConfig, description="SGLang server settings")
+    mode: Any = compat("async")
+    enforce_eager: Any = compat(False)
+    cudagraph_capture_sizes: Any = compat(None)
+    free_cache_engine: Any = compat(True)
+    data_parallel_size: Any = compat(1)
+    expert_parallel_size: Any = compat(1)
+    pipeline_model_parallel_size: Any = compat(1)
+    max_num_batched_tokens: Any = compat(8192)
+    max_model_len: Any = compat(None)
+    max_num_seqs: Any = compat(256)
+    enable_chunked_prefill: Any = compat(True)
+    enable_prefix_caching: Any = compat(True)
+    logprobs_mode: Any = compat("processed_logprobs")
+    scheduling_policy: Any = compat("fcfs")
+    load_format: Any = compat("dummy")
+    log_prob_micro_batch_size: Any = compat(None)
+    disable_log_stats: Any = compat(True)
+    over_sample_rate: Any = compat(0)
+    multi_stage_wake_up: Any = compat(False)
+    engine_kwargs: Any = compat({"vllm": {}, "sglang": {}, "trtllm": {}})
+    multi_turn: Any = compat({})
+    calculate_log_probs: Any = compat(False)
+    agent: Any = compat({})
+    checkpoint_engine: Any = compat({})
+    trace: Any = compat({})
+    skip_rollout: Any = compat(False)
+    skip_dump_dir: Any = compat("/tmp/rollout_dump")
+    skip_tokenizer_init: Any = compat(True)
+    enable_rollout_routing_replay: Any = compat(False)
+    profiler: Any = compat({})
+    prometheus: Any = compat({})
+    quantization: Any = compat(None)
+    quantization_config_file: Any = compat(None)
+    mtp: Any = compat(None)
+    layered_summon: Any = compat(False)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _known_engine(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ROLLOUT_ENGINES:
+            hint = (
+                " (verl's engines are not available in rlmesh)" if value in ("vllm", "hf", "trtllm") else ""
+            )
+            raise ValueError(
+                f"rollout engine {value!r} is not supported{hint}; supported: 'embedded' (CPU, HF transformers) "
+                "and 'sglang' (GPU)"
+            )
+        return value
+
+
+class RefConfig(Section):
+    """The frozen reference policy (verl ref/ref.yaml + ref/dp_ref.yaml)."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per reference forward; null = whole batch"
+    )
+    log_prob_use_dynamic_bsz: bool | None = Field(
+        None, description="token-packed reference batches; null = actor.use_dynamic_bsz"
+    )
+    log_prob_max_token_len_per_gpu: int | None = Field(
+        None,
+        gt=0,
+        description="token budget of a packed reference batch; null = actor.ppo_max_token_len_per_gpu",
+    )
+    fsdp_config: RefFsdpConfig = Field(
+        default_factory=RefFsdpConfig, description="verl FSDP keys (param_offload)"
+    )
+    strategy: Any = compat("fsdp")
+    rollout_n: Any = compat(1)
+    use_torch_compile: Any = compat(True)
+    log_prob_micro_batch_size: Any = compat(None)
+    profiler: Any = compat({})
+    router_replay: Any = compat({})
+    ulysses_sequence_parallel_size: Any = compat(1)
+    entropy_from_logits_with_chunking: Any = compat(False)
+    entropy_checkpointing: Any = compat(False)
+    megatron: Any = compat(None)
+
+
+class ActorRolloutRefConfig(Section):
+    """verl's combined worker section."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="PPO actor")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
+    ref: RefConfig = Field(default_factory=RefConfig, description="reference policy")
+    hybrid_engine: Any = compat(True)
+    nccl_timeout: Any = compat(600)

@@ -1,0 +1,150 @@
+"""Cross-field rules: verl's config checks (verl/utils/config.py validate_config, the actor/critic
+config dataclasses, the workers' batch-size normalisation) plus rlmesh's own.
+
+Each rule returns a sentence naming the keys and their numbers, so a user can fix it without
+reading code. Checks run after derived values (null = follow another key) are filled in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlmesh.config.engine import EngineSettings
+from rlmesh.config.sections import GROUP_ESTIMATORS
+
+if TYPE_CHECKING:
+    from rlmesh.config.schema import RLMeshConfig
+
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def _batch_problems(cfg: RLMeshConfig) -> list[str]:
+    problems: list[str] = []
+    train = cfg.data.train_batch_size
+    n = cfg.actor_rollout_ref.rollout.n
+    actor = cfg.actor_rollout_ref.actor
+    sections = [(ACTOR, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz)]
+    if cfg.uses_critic():
+        critic = cfg.critic
+        sections.append(
+            (
+                "critic",
+                critic.ppo_mini_batch_size,
+                critic.ppo_micro_batch_size_per_gpu,
+                critic.use_dynamic_bsz,
+            )
+        )
+    for name, mini, micro, dynamic in sections:
+        # Both counted in prompts: a step is train_batch_size prompts cut into mini-batches.
+        if train % mini:
+            problems.append(
+                f"data.train_batch_size ({train}) must be divisible by {name}.ppo_mini_batch_size ({mini})"
+            )
+        # A mini-batch holds mini * n samples, cut into micro-batches for gradient accumulation.
+        if micro is not None and not dynamic and (mini * n) % micro:
+            problems.append(
+                f"{name}.ppo_mini_batch_size * {ROLLOUT}.n ({mini} * {n} = {mini * n} samples) must be divisible "
+                f"by {name}.ppo_micro_batch_size_per_gpu ({micro})"
+            )
+    return problems
+
+
+def _token_budget_problems(cfg: RLMeshConfig) -> list[str]:
+    # verl's dynamic batching packs whole sequences: one full-length sequence must fit the budget.
+    rollout = cfg.actor_rollout_ref.rollout
+    seq = (rollout.prompt_length or 0) + (rollout.response_length or 0)
+    actor = cfg.actor_rollout_ref.actor
+    ref = cfg.actor_rollout_ref.ref
+    budgets = [
+        (actor.use_dynamic_bsz, f"{ACTOR}.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+        (
+            rollout.log_prob_use_dynamic_bsz,
+            f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
+            rollout.log_prob_max_token_len_per_gpu,
+        ),
+        (
+            ref.log_prob_use_dynamic_bsz,
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            ref.log_prob_max_token_len_per_gpu,
+        ),
+    ]
+    if cfg.uses_critic():
+        critic = cfg.critic
+        budgets.append(
+            (critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu)
+        )
+        budgets.append(
+            (
+                critic.use_dynamic_bsz,
+                "critic.forward_max_token_len_per_gpu",
+                critic.forward_max_token_len_per_gpu,
+            )
+        )
+    return [
+        f"{key} ({budget}) must hold one whole sequence: prompt_length + response_length = "
+        f"{rollout.prompt_length} + {rollout.response_length} = {seq} (use_dynamic_bsz is on)"
+        for dynamic, key, budget in budgets
+        if dynamic and budget is not None and budget < seq
+    ]
+
+
+def _engine_problems(name: str, fsdp_key: str, eff: EngineSettings) -> list[str]:
+    problems = []
+    if eff.offload_param and eff.zero_stage != 3:
+        problems.append(
+            f"{name}: parameter offload (deepspeed_config.offload_param or {fsdp_key}.param_offload) needs "
+            f"{name}.deepspeed_config.zero_stage=3 (got {eff.zero_stage})"
+        )
+    if eff.offload_optimizer and eff.zero_stage == 0:
+        problems.append(
+            f"{name}: optimizer offload (deepspeed_config.offload_optimizer or {fsdp_key}.optimizer_offload) "
+            f"needs {name}.deepspeed_config.zero_stage >= 1 (got 0)"
+        )
+    return problems
+
+
+def cross_field_problems(cfg: RLMeshConfig) -> list[str]:
+    """Every violated cross-field rule, as readable sentences; empty when the config is consistent."""
+    problems = _batch_problems(cfg) + _token_budget_problems(cfg)
+    algo = cfg.algorithm
+    rollout = cfg.actor_rollout_ref.rollout
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        problems.append(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of the same prompt: "
+            f"{ROLLOUT}.n must be > 1 (got {rollout.n})"
+        )
+    if algo.adv_estimator == "gae" and cfg.critic.enable is False:
+        problems.append("algorithm.adv_estimator=gae needs a value function: critic.enable must not be false")
+    if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
+        problems.append(
+            f"{ROLLOUT}.val_kwargs.do_sample is true, so {ROLLOUT}.val_kwargs.temperature must be > 0 "
+            f"(got {rollout.val_kwargs.temperature})"
+        )
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (got null)")
+    problems += _engine_problems(
+        ACTOR, f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.effective_engine()
+    )
+    if cfg.uses_critic():
+        problems += _engine_problems("critic", "critic.model.fsdp_config", cfg.critic.effective_engine())
+    sync = cfg.rlmesh.weight_sync
+    if sync.transport == "disk" and not sync.disk_dir:
+        problems.append("rlmesh.weight_sync.transport=disk needs rlmesh.weight_sync.disk_dir (got null)")
+    return problems
+
+
+def cross_field_warnings(cfg: RLMeshConfig) -> list[str]:
+    """Legal but suspicious combinations (verl prints a notice for the first)."""
+    notes = []
+    if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+        notes.append(
+            "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: "
+            "the KL to the reference is penalised twice"
+        )
+    for name, strategy in ((ACTOR, cfg.actor_rollout_ref.actor.strategy), ("critic", cfg.critic.strategy)):
+        if strategy == "megatron":
+            notes.append(
+                f"{name}.strategy=megatron: rlmesh trains with DeepSpeed ZeRO; megatron settings are ignored"
+            )
+    return notes

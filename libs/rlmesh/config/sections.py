@@ -1,0 +1,313 @@
+"""verl's other top-level sections: data, critic, reward_model, custom_reward_function, algorithm, trainer.
+
+Defaults follow verl's ppo_trainer.yaml (data/legacy_data.yaml, critic/critic.yaml +
+critic/dp_critic.yaml, reward_model/*.yaml, the algorithm and trainer blocks of ppo_trainer.yaml,
+algorithm/rollout_correction.yaml).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import Field, field_validator
+
+from rlmesh.config.base import STRATEGY_DESCRIPTION, KLPenalty, LossAggMode, Section, Strategy, compat
+from rlmesh.config.engine import (
+    CriticOptimConfig,
+    DeepSpeedConfig,
+    EngineSettings,
+    FsdpConfig,
+    effective_engine,
+)
+
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
+# Estimators that compare samples of one prompt with each other: one sample per prompt is meaningless.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+Logger = Literal["console", "wandb", "mlflow", "tensorboard", "jsonl", "file"]
+
+
+class DataConfig(Section):
+    """Datasets and batch shapes (verl data/legacy_data.yaml)."""
+
+    tokenizer: str | None = Field(None, description="tokenizer path; null = actor_rollout_ref.model.path")
+    train_files: str | list[str] = Field(
+        "~/data/rlhf/gsm8k/train.parquet", description="training parquet file(s)"
+    )
+    val_files: str | list[str] | None = Field(
+        "~/data/rlhf/gsm8k/test.parquet", description="validation parquet file(s); null = no validation"
+    )
+    prompt_key: str = Field("prompt", description="column holding the chat prompt")
+    reward_fn_key: str = Field("data_source", description="column that selects the reward function")
+    max_prompt_length: int = Field(512, gt=0, description="max prompt tokens")
+    max_response_length: int = Field(512, gt=0, description="max response tokens")
+    train_batch_size: int = Field(
+        1024, gt=0, description="prompts per PPO step (each sampled rollout.n times)"
+    )
+    val_batch_size: int | None = Field(
+        None, gt=0, description="prompts per validation batch; null = all at once"
+    )
+    shuffle: bool = Field(True, description="shuffle the training set each epoch")
+    seed: int | None = Field(None, description="seed of the training-set shuffle; null = unseeded")
+    filter_overlong_prompts: bool = Field(False, description="drop prompts longer than max_prompt_length")
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error",
+        description="what to do with a prompt over max_prompt_length: error, or cut left/right/middle",
+    )
+    train_max_samples: int = Field(-1, ge=-1, description="use at most this many training rows; -1 = all")
+    val_max_samples: int = Field(-1, ge=-1, description="use at most this many validation rows; -1 = all")
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for tokenizer.apply_chat_template"
+    )
+    use_shm: Any = compat(False)
+    tool_config_path: Any = compat(None)
+    return_raw_input_ids: Any = compat(False)
+    return_raw_chat: Any = compat(True)
+    return_full_prompt: Any = compat(False)
+    dataloader_num_workers: Any = compat(8)
+    image_patch_size: Any = compat(14)
+    validation_shuffle: Any = compat(False)
+    filter_overlong_prompts_workers: Any = compat(1)
+    image_key: Any = compat("images")
+    video_key: Any = compat("videos")
+    trust_remote_code: Any = compat(False)
+    custom_cls: Any = compat({"path": None, "name": None})
+    return_multi_modal_inputs: Any = compat(True)
+    sampler: Any = compat({"class_path": None, "class_name": None})
+    datagen: Any = compat({"path": None, "name": None})
+
+
+class CriticModelConfig(Section):
+    """The value model (verl critic.model)."""
+
+    path: str = Field("~/models/deepseek-llm-7b-chat", description="HF model id or local path of the critic")
+    tokenizer_path: str | None = Field(
+        None, description="tokenizer to load; null = actor_rollout_ref.model.path"
+    )
+    trust_remote_code: bool | None = Field(
+        None, description="allow custom modelling code; null = actor_rollout_ref.model.trust_remote_code"
+    )
+    override_config: dict[str, Any] = Field(
+        default_factory=dict, description="entries that override the model's HF config on load"
+    )
+    enable_gradient_checkpointing: bool = Field(
+        True, description="recompute activations in backward to save memory"
+    )
+    lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning")
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha")
+    target_modules: str | list[str] = Field("all-linear", description="LoRA target modules")
+    fsdp_config: FsdpConfig = Field(default_factory=FsdpConfig, description="verl FSDP keys (offload, dtype)")
+    external_lib: Any = compat(None)
+    use_shm: Any = compat(False)
+    enable_activation_offload: Any = compat(False)
+    use_remove_padding: Any = compat(False)
+    tiled_mlp: Any = compat({"enabled": False, "num_shards": 4})
+
+
+class CriticConfig(Section):
+    """PPO value function (verl critic/critic.yaml + critic/dp_critic.yaml)."""
+
+    enable: bool | None = Field(
+        None, description="train a critic; null = only when algorithm.adv_estimator is gae"
+    )
+    strategy: Strategy = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig, description="critic optimizer")
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig, description="value model")
+    ppo_mini_batch_size: int | None = Field(
+        None, gt=0, description="prompts per critic mini-batch; null = actor.ppo_mini_batch_size"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per forward/backward on one device; null = whole mini-batch"
+    )
+    use_dynamic_bsz: bool | None = Field(
+        None, description="token-packed micro-batches; null = actor.use_dynamic_bsz"
+    )
+    ppo_max_token_len_per_gpu: int = Field(32768, gt=0, description="token budget of a packed micro-batch")
+    forward_max_token_len_per_gpu: int | None = Field(
+        None, gt=0, description="token budget of a packed value forward; null = ppo_max_token_len_per_gpu"
+    )
+    forward_micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per value forward; null = ppo_micro_batch_size_per_gpu"
+    )
+    ppo_epochs: int | None = Field(None, ge=1, description="passes over each batch; null = actor.ppo_epochs")
+    shuffle: bool | None = Field(None, description="shuffle between epochs; null = actor.shuffle")
+    cliprange_value: float = Field(0.5, ge=0, description="value clipping range")
+    loss_agg_mode: LossAggMode | None = Field(
+        None, description="loss aggregation; null = actor.loss_agg_mode"
+    )
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
+    deepspeed_config: DeepSpeedConfig = Field(
+        default_factory=DeepSpeedConfig, description="DeepSpeed ZeRO settings"
+    )
+    rollout_n: Any = compat(1)
+    ppo_micro_batch_size: Any = compat(None)
+    forward_micro_batch_size: Any = compat(None)
+    data_loader_seed: Any = compat(42)
+    checkpoint: Any = compat({})
+    profiler: Any = compat({})
+    ulysses_sequence_parallel_size: Any = compat(1)
+    megatron: Any = compat(None)
+
+    def effective_engine(self) -> EngineSettings:
+        """ZeRO settings after mapping verl's critic.model.fsdp_config onto deepspeed_config."""
+        return effective_engine(self.deepspeed_config, self.model.fsdp_config)
+
+
+class RewardModelModelConfig(Section):
+    """The reward model's weights."""
+
+    path: str = Field(
+        "~/models/FsfairX-LLaMA3-RM-v0.1", description="HF model id or local path of the reward model"
+    )
+    input_tokenizer: str | None = Field(
+        None, description="tokenizer of the policy, to decode responses; null = actor_rollout_ref.model.path"
+    )
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from the model repo")
+    override_config: dict[str, Any] = Field(
+        default_factory=dict, description="entries that override the HF config"
+    )
+    external_lib: Any = compat(None)
+    use_shm: Any = compat(False)
+    use_remove_padding: Any = compat(False)
+    use_fused_kernels: Any = compat(False)
+    fsdp_config: Any = compat({})
+
+
+class RewardModelConfig(Section):
+    """A model-based reward (verl reward_model/*.yaml); rule-based rewards need none of it."""
+
+    enable: bool = Field(False, description="score responses with a reward model")
+    model: RewardModelModelConfig = Field(
+        default_factory=RewardModelModelConfig, description="reward model weights"
+    )
+    micro_batch_size_per_gpu: int | None = Field(
+        None, gt=0, description="samples per forward; null = whole batch"
+    )
+    max_length: int | None = Field(None, gt=0, description="max tokens scored per sample; null = no limit")
+    reward_manager: str = Field(
+        "naive", description="how rewards are assembled per batch (verl: naive, batch, …)"
+    )
+    enable_resource_pool: Any = compat(False)
+    n_gpus_per_node: Any = compat(8)
+    nnodes: Any = compat(0)
+    strategy: Any = compat("fsdp")
+    micro_batch_size: Any = compat(None)
+    use_dynamic_bsz: Any = compat(False)
+    forward_max_token_len_per_gpu: Any = compat(32768)
+    reward_loop_source: Any = compat("register")
+    reward_loop_module_path: Any = compat(None)
+    reward_loop_class_name: Any = compat(None)
+    launch_reward_fn_async: Any = compat(False)
+    sandbox_fusion: Any = compat({})
+    profiler: Any = compat({})
+    ulysses_sequence_parallel_size: Any = compat(1)
+    use_reward_loop: Any = compat(True)
+    num_workers: Any = compat(1)
+    rollout: Any = compat({})
+
+
+class CustomRewardFunctionConfig(Section):
+    """A user reward function loaded from a file."""
+
+    path: str | None = Field(
+        None, description="Python file holding the reward function; null = built-in rewards"
+    )
+    name: str = Field("compute_score", description="function name inside path")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for the function"
+    )
+
+
+class KLCtrlConfig(Section):
+    """KL coefficient controller for the in-reward KL penalty."""
+
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed or adaptive (Ziegler et al.) KL coefficient"
+    )
+    kl_coef: float = Field(0.001, ge=0, description="(initial) KL coefficient")
+    horizon: int = Field(10000, gt=0, description="adaptive controller horizon")
+    target_kl: float = Field(0.1, gt=0, description="adaptive controller target KL")
+
+
+class RolloutCorrectionConfig(Section):
+    """Importance-sampling correction for rollout/training mismatch and staleness."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="IS weights at token or sequence level; null = none (metrics only)"
+    )
+    rollout_is_threshold: float = Field(2.0, gt=0, description="upper truncation of the IS weights")
+    rollout_is_batch_normalize: bool = Field(False, description="rescale IS weights to mean 1 per batch")
+    rollout_rs: None = Field(None, description="rejection sampling; not implemented in rlmesh, must be null")
+    rollout_rs_threshold: Any = compat(None)
+    bypass_mode: Literal[False] = Field(
+        False, description="verl's bypass mode; not implemented in rlmesh, must be false"
+    )
+    loss_type: Any = compat("ppo_clip")
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and KL (verl ppo_trainer.yaml `algorithm`)."""
+
+    adv_estimator: AdvEstimator = Field("gae", description="advantage estimator")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount factor")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="divide GRPO advantages by the group std")
+    use_kl_in_reward: bool = Field(False, description="subtract a KL penalty from the token rewards")
+    kl_penalty: KLPenalty = Field("kl", description="KL estimator for the in-reward penalty")
+    kl_ctrl: KLCtrlConfig = Field(default_factory=KLCtrlConfig, description="KL coefficient controller")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="off-policy importance-sampling correction"
+    )
+    use_pf_ppo: Literal[False] = Field(
+        False, description="verl's preference-feedback PPO; not implemented, must be false"
+    )
+    pf_ppo: Any = compat({"reweight_method": "pow", "weight_pow": 2.0})
+    filter_groups: Any = compat(None)
+
+
+class TrainerConfig(Section):
+    """Run length, checkpoints, validation and logging (verl ppo_trainer.yaml `trainer`)."""
+
+    total_epochs: int = Field(30, ge=1, description="passes over the training set")
+    total_training_steps: int | None = Field(
+        None, gt=0, description="stop after this many steps; null = from epochs"
+    )
+    project_name: str = Field("verl_examples", description="experiment-tracker project")
+    experiment_name: str = Field("gsm8k", description="experiment-tracker run name")
+    logger: list[Logger] = Field(
+        default_factory=lambda: ["console", "wandb"], description="metric sinks ('file' = jsonl, verl's name)"
+    )
+    log_val_generations: int = Field(0, ge=0, description="validation generations to log each validation")
+    nnodes: int = Field(1, ge=1, description="nodes of the run")
+    n_gpus_per_node: int = Field(8, ge=0, description="GPUs per node")
+    save_freq: int = Field(-1, ge=-1, description="checkpoint every this many steps; -1 = never")
+    resume_mode: Literal["auto", "disable", "resume_path"] = Field(
+        "auto",
+        description="auto: latest checkpoint if any; disable: from scratch; resume_path: resume_from_path",
+    )
+    resume_from_path: str | None = Field(
+        None, description="checkpoint to resume when resume_mode=resume_path"
+    )
+    val_before_train: bool = Field(True, description="validate once before the first step")
+    val_only: bool = Field(False, description="validate and exit")
+    test_freq: int = Field(-1, ge=-1, description="validate every this many steps; -1 = never")
+    critic_warmup: int = Field(0, ge=0, description="steps that train only the critic before the actor")
+    default_local_dir: str = Field(
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}", description="checkpoint directory"
+    )
+    max_actor_ckpt_to_keep: int | None = Field(None, gt=0, description="actor checkpoints kept; null = all")
+    max_critic_ckpt_to_keep: int | None = Field(None, gt=0, description="critic checkpoints kept; null = all")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="device the learner trains on")
+    balance_batch: Any = compat(True)
+    rollout_data_dir: Any = compat(None)
+    validation_data_dir: Any = compat(None)
+    esi_redundant_time: Any = compat(0)
+    default_hdfs_dir: Any = compat(None)
+    del_local_ckpt_after_load: Any = compat(False)
+    ray_wait_register_center_timeout: Any = compat(300)
+    use_legacy_worker_impl: Any = compat("auto")
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
