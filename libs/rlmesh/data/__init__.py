@@ -1,0 +1,34 @@
+"""Datasets in verl's Parquet layout, the training cursor, and task generators."""
+
+from rlmesh.data.arithmetic import (
+    ARITHMETIC_DATA_SOURCE,
+    ARITHMETIC_INSTRUCTION,
+    evaluate_expression,
+    format_arithmetic_solution,
+    generate_arithmetic,
+    make_arithmetic_rows,
+)
+from rlmesh.data.dataset import PromptItem, RLHFDataset, read_parquet, truncate_ids
+from rlmesh.data.errors import DatasetError
+from rlmesh.data.gsm8k import GSM8K_DATA_SOURCE, GSM8K_INSTRUCTION, convert_gsm8k, extract_gsm8k_solution
+from rlmesh.data.sampler import PromptSampler, iter_batches
+
+__all__ = [
+    "ARITHMETIC_DATA_SOURCE",
+    "ARITHMETIC_INSTRUCTION",
+    "GSM8K_DATA_SOURCE",
+    "GSM8K_INSTRUCTION",
+    "DatasetError",
+    "PromptItem",
+    "PromptSampler",
+    "RLHFDataset",
+    "convert_gsm8k",
+    "evaluate_expression",
+    "extract_gsm8k_solution",
+    "format_arithmetic_solution",
+    "generate_arithmetic",
+    "iter_batches",
+    "make_arithmetic_rows",
+    "read_parquet",
+    "truncate_ids",
+]

@@ -1,0 +1,299 @@
+"""Prompts from Parquet in verl's layout, tokenized the way verl's RLHFDataset does it.
+
+Columns: ``data_source`` (picks the reward function; the column name is ``reward_fn_key``),
+``prompt`` (a chat-message list [{role, content}, ...] or a plain string; the column name is
+``prompt_key``), ``ability``, ``reward_model`` {style, ground_truth}, ``extra_info`` (a struct).
+``ability`` and ``extra_info`` may be absent; the others are required (``reward_model`` only
+while ``require_ground_truth``).
+
+As in verl: a message list goes through ``apply_chat_template(add_generation_prompt=True)`` and is
+encoded without special tokens; a prompt over ``max_prompt_length`` tokens is dropped when
+``filter_overlong_prompts`` (before truncation is considered), otherwise cut by ``truncation``
+(left keeps the end, right keeps the start, middle keeps both ends) or refused ("error").
+Unlike verl, every row is read, checked and tokenized up front, so bad data fails at start-up
+and not hours into a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlmesh.data.errors import DatasetError
+
+logger = logging.getLogger(__name__)
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One tokenized prompt. ``index`` is its position in the dataset (what a sampler hands out);
+    ``file`` and ``row`` say where it came from."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str  # the text prompt_ids decode to (chat template applied, after truncation)
+    ground_truth: Any  # reward_model.ground_truth as stored (usually a string); None if absent
+    data_source: str
+    ability: str
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    row: int = 0
+    file: str = ""
+    raw_prompt: list[dict[str, Any]] | str = ""  # the prompt column as read, before templating
+
+
+def read_parquet(path: str | Path) -> pa.Table:
+    """The whole table, or a DatasetError naming the file."""
+    try:
+        return pq.read_table(str(path))
+    except FileNotFoundError:
+        raise DatasetError("no such file", file=path) from None
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"cannot read it as Parquet: {e}", file=path) from e
+
+
+def truncate_ids(ids: list[int], max_length: int, truncation: str) -> list[int]:
+    """Cut ids to max_length the way verl does (left/right/middle); "error" is the caller's job."""
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "middle":
+        left = max_length // 2
+        right = max_length - left
+        return ids[:left] + ids[len(ids) - right :]
+    raise ValueError(f"truncation must be one of {TRUNCATIONS} here, got {truncation!r}")
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    # Duck-typed: a pydantic section, an OmegaConf node, a SimpleNamespace or a plain dict.
+    value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _as_file_list(files: str | Path | list[str | Path] | tuple[str | Path, ...]) -> list[str]:
+    if isinstance(files, str | Path):
+        files = [files]
+    out = [os.path.expanduser(str(f)) for f in files]  # verl's defaults are "~/data/..."
+    if not out:
+        raise DatasetError("no data files given")
+    return out
+
+
+class RLHFDataset:
+    """Tokenized prompts from one or more verl-layout Parquet files (concatenated in order)."""
+
+    def __init__(
+        self,
+        files: str | Path | list[str | Path],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = False,
+        require_ground_truth: bool = True,
+        reward_fn_key: str = "data_source",
+        max_samples: int = -1,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
+        self.files = _as_file_list(files)
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.require_ground_truth = require_ground_truth
+        self.reward_fn_key = reward_fn_key
+        self.max_samples = max_samples
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+        self.items: list[PromptItem] = []
+        self.num_rows = 0  # rows read (after max_samples, before filtering)
+        self.num_filtered = 0  # rows dropped by filter_overlong_prompts
+        self.num_truncated = 0  # rows cut by truncation
+        for path in self.files:
+            if 0 <= max_samples <= self.num_rows:
+                break
+            self._load_file(path)
+        if self.num_rows == 0:
+            raise DatasetError("the dataset has no rows", file=", ".join(self.files))
+        if self.filter_overlong_prompts:
+            logger.info(
+                "%s: filtered out %d of %d prompts longer than max_prompt_length=%d; %d left",
+                ", ".join(self.files), self.num_filtered, self.num_rows, max_prompt_length, len(self.items),
+            )  # fmt: skip
+        if not self.items:
+            raise DatasetError(
+                f"all {self.num_rows} prompts are longer than max_prompt_length={max_prompt_length} "
+                "and were filtered out",
+                file=", ".join(self.files),
+            )
+        logger.info("dataset %s: %d prompts", ", ".join(self.files), len(self.items))
+
+    @classmethod
+    def from_config(
+        cls, data_cfg: Any, tokenizer: Any, split: str = "train", **overrides: Any
+    ) -> RLHFDataset:
+        """Build from a config section with verl's ``data.*`` key names (read as attributes or
+        mapping keys): ``{split}_files``, ``prompt_key``, ``max_prompt_length``, ``truncation``,
+        ``filter_overlong_prompts``, ``reward_fn_key``, ``{split}_max_samples``,
+        ``apply_chat_template_kwargs``. ``overrides`` win over the config."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        files = _cfg_get(data_cfg, f"{split}_files")
+        if not files:
+            raise DatasetError(f"data.{split}_files is not set")
+        if not isinstance(files, str | Path):
+            files = list(files)  # e.g. an OmegaConf ListConfig
+        kwargs: dict[str, Any] = {
+            "prompt_key": _cfg_get(data_cfg, "prompt_key", "prompt"),
+            "max_prompt_length": int(_cfg_get(data_cfg, "max_prompt_length", 512)),
+            "truncation": _cfg_get(data_cfg, "truncation", "error"),
+            "filter_overlong_prompts": bool(_cfg_get(data_cfg, "filter_overlong_prompts", False)),
+            "reward_fn_key": _cfg_get(data_cfg, "reward_fn_key", "data_source"),
+            "max_samples": int(_cfg_get(data_cfg, f"{split}_max_samples", -1)),
+            "chat_template_kwargs": dict(_cfg_get(data_cfg, "apply_chat_template_kwargs", {})),
+        }
+        kwargs.update(overrides)
+        return cls(files, tokenizer, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def _load_file(self, path: str) -> None:
+        table = read_parquet(path)
+        required = [self.prompt_key, self.reward_fn_key]
+        if self.require_ground_truth:
+            required.append("reward_model")
+        for name in required:
+            if name not in table.column_names:
+                raise DatasetError(
+                    f"missing column (the file has: {', '.join(table.column_names) or 'none'})",
+                    file=path,
+                    column=name,
+                )
+        n = table.num_rows
+        if n == 0:
+            raise DatasetError("the file has no rows", file=path)
+        if self.max_samples >= 0:
+            n = min(n, self.max_samples - self.num_rows)
+
+        def column(name: str) -> list[Any]:
+            if name not in table.column_names:
+                return [None] * n
+            return table.column(name).slice(0, n).to_pylist()
+
+        prompts, sources = column(self.prompt_key), column(self.reward_fn_key)
+        abilities, rewards, extras = column("ability"), column("reward_model"), column("extra_info")
+        rows = [
+            self._check_row(path, i, prompts[i], sources[i], abilities[i], rewards[i], extras[i])
+            for i in range(n)
+        ]
+        texts = [self._prompt_text(path, i, r["raw_prompt"]) for i, r in enumerate(rows)]
+        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        self.num_rows += n
+
+        for i, (row, text, ids) in enumerate(zip(rows, texts, all_ids, strict=True)):
+            ids = list(ids)
+            if len(ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation == "error":
+                    raise DatasetError(
+                        f"prompt is {len(ids)} tokens, longer than max_prompt_length={self.max_prompt_length} "
+                        "(raise it, set truncation to left/right/middle, or filter_overlong_prompts)",
+                        file=path,
+                        row=i,
+                        column=self.prompt_key,
+                    )
+                ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
+                self.num_truncated += 1
+            self.items.append(
+                PromptItem(index=len(self.items), prompt_ids=ids, prompt_text=text, row=i, file=path, **row)
+            )
+
+    def _check_row(
+        self, path: str, i: int, prompt: Any, source: Any, ability: Any, reward: Any, extra: Any
+    ) -> dict[str, Any]:
+        def bad(column: str, problem: str) -> DatasetError:
+            return DatasetError(problem, file=path, row=i, column=column)
+
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad(self.prompt_key, "empty prompt")
+        elif isinstance(prompt, list):
+            if not prompt:
+                raise bad(self.prompt_key, "empty message list")
+            messages = []
+            for j, m in enumerate(prompt):
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise bad(
+                        self.prompt_key, f"message {j} is not a {{role: str, content: str}} dict: {m!r}"
+                    )
+                # Parquet structs give every message every key seen in the column; drop the Nones.
+                messages.append({k: v for k, v in m.items() if v is not None})
+            prompt = messages
+        else:
+            raise bad(
+                self.prompt_key, f"expected a chat-message list or a string, got {type(prompt).__name__}"
+            )
+        if not isinstance(source, str):
+            raise bad(self.reward_fn_key, f"expected a string, got {type(source).__name__}")
+        if ability is not None and not isinstance(ability, str):
+            raise bad("ability", f"expected a string, got {type(ability).__name__}")
+        if reward is not None and not isinstance(reward, dict):
+            raise bad(
+                "reward_model", f"expected a {{style, ground_truth}} struct, got {type(reward).__name__}"
+            )
+        ground_truth = (reward or {}).get("ground_truth")
+        if ground_truth is None and self.require_ground_truth:
+            raise bad("reward_model.ground_truth", "missing ground truth (needed by the reward function)")
+        if extra is not None and not isinstance(extra, dict):
+            raise bad("extra_info", f"expected a struct, got {type(extra).__name__}")
+        return {
+            "raw_prompt": prompt,
+            "data_source": source,
+            "ability": ability or "",
+            "ground_truth": ground_truth,
+            "extra_info": extra or {},
+        }
+
+    def _prompt_text(self, path: str, i: int, prompt: list[dict[str, Any]] | str) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if not self.use_chat_template:
+            # A base tokenizer without a template: the message contents, one per line.
+            return "\n".join(m["content"] for m in prompt)
+        try:
+            return self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        except Exception as e:  # a template that rejects the messages (roles, order, ...)
+            raise DatasetError(f"chat template failed: {e}", file=path, row=i, column=self.prompt_key) from e

@@ -1,0 +1,77 @@
+"""A character-level tokenizer built from a fixed local vocabulary (no hub, no training).
+
+One token per character: a WordLevel model over printable ASCII + newline, a pre-tokenizer that
+isolates every character, and a Fuse decoder that concatenates tokens with nothing in between, so
+encode -> decode gives back exactly the original text, spaces and newlines included. A character
+outside the vocabulary becomes ``<|unk|>`` (the only lossy case).
+
+Ids are fixed by construction: ``"\\n"`` is 0, ``chr(32)..chr(126)`` are 1..95, then the special
+tokens in SPECIAL_TOKENS order (``<|endoftext|>`` = 96, ``<|im_start|>`` = 97, ``<|im_end|>`` = 98,
+``<|unk|>`` = 99).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"  # eos and pad, as in Qwen2 base models
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<|unk|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, UNK_TOKEN)
+CHARS = ("\n", *(chr(i) for i in range(32, 127)))
+
+# ChatML as in Qwen2, minus Qwen's default system message: a tiny char-level model has ~64-128
+# tokens of context per prompt and "You are a helpful assistant." alone would cost ~60 of them.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The char-level tokenizer; saved with ``save_pretrained(out_dir)`` when out_dir is given."""
+    vocab = {tok: i for i, tok in enumerate((*CHARS, *SPECIAL_TOKENS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # [\s\S] rather than "." so that newlines are split off too.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    # Special tokens are matched before pre-tokenization, so "<|im_end|>" in text is one token.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,  # True would turn "a ." into "a." on decode
+    )
+    if out_dir is not None:
+        save_tokenizer(hf, out_dir)
+    return hf
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
+    """``save_pretrained`` plus a tokenizer_config.json that older transformers (4.x, e.g. in an
+    SGLang image) can read too: a class name both know, the list-valued special tokens under the
+    4.x key, and the chat template inline as well as in chat_template.jinja."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out))
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    if tokenizer.chat_template:
+        cfg["chat_template"] = tokenizer.chat_template
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out

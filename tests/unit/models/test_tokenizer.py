@@ -1,0 +1,76 @@
+import pytest
+from transformers import AutoTokenizer
+
+from rlmesh.models import build_tokenizer
+from rlmesh.models.tokenizer import CHARS, SPECIAL_TOKENS
+
+TEXTS = [
+    "What is 12+7-3?",
+    "  leading and trailing  ",
+    "tabs\tare unknown but newlines\n\nare kept\n",
+    "punctuation: a . b , c ' d !?",
+    " ",
+    "#### -16",
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if "\t" not in t])
+def test_round_trip_exact(text):
+    tok = build_tokenizer()
+    ids = tok.encode(text)
+    assert len(ids) == len(text)  # one token per character, nothing added
+    assert tok.decode(ids) == text
+
+
+def test_vocab_is_fixed():
+    tok = build_tokenizer()
+    assert len(tok) == len(CHARS) + len(SPECIAL_TOKENS) == 100
+    assert tok.convert_tokens_to_ids("\n") == 0
+    assert tok.convert_tokens_to_ids(" ") == 1
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token_id == tok.pad_token_id == 96
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [97, 98]
+    assert build_tokenizer().get_vocab() == tok.get_vocab()
+
+
+def test_unknown_char_and_special_tokens():
+    tok = build_tokenizer()
+    ids = tok.encode("a\tb<|im_end|>")
+    assert ids == [66, tok.unk_token_id, 67, 98]
+    assert tok.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_chat_template():
+    tok = build_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+2?"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 97 and ids.count(98) == 2
+    assert tok.decode(ids) == text
+    no_gen = tok.apply_chat_template(msgs[1:], add_generation_prompt=False, tokenize=False)
+    assert no_gen == "<|im_start|>user\nWhat is 1+2?<|im_end|>\n"
+
+
+def test_save_and_load(saved):
+    tok = build_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(saved)
+    assert loaded.get_vocab() == tok.get_vocab()
+    for text in TEXTS:
+        assert loaded.encode(text) == tok.encode(text)
+        assert loaded.decode(loaded.encode(text)) == tok.decode(tok.encode(text))
+    msgs = [{"role": "user", "content": "hi  there\n"}]
+    assert loaded.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False
+    ) == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert loaded.eos_token_id == loaded.pad_token_id == 96
+    assert {"<|im_start|>", "<|im_end|>"} <= set(loaded.all_special_tokens)
