@@ -8,7 +8,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help venv redis-server demo test lint format protos bench clean
+.PHONY: help venv redis-server demo test lint format docs protos bench bench-queue bench-algo clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -46,10 +46,19 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+docs: venv
+	$(BIN)/python -m rlmesh.config.docs
+
 protos: venv
 	$(BIN)/python -m rlmesh.wire.protogen
 
 BENCHMARKS := $(wildcard benchmarks/bench_*.py)
+
+bench-queue: venv redis-server
+	$(BIN)/python benchmarks/bench_queue.py
+
+bench-algo: venv
+	$(BIN)/python benchmarks/bench_logprobs.py
 
 bench: venv
 	@echo "benchmarks: $(BENCHMARKS)"

@@ -70,6 +70,18 @@ def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def cmd_data(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.data.cli import main as data_main
+
+    return data_main(rest)
+
+
+def cmd_engine(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.engine.server import main as engine_main
+
+    return engine_main(rest)
+
+
 def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
     from rlmesh.wire.protogen import main as protogen_main
 
@@ -113,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=2.0)
     p.set_defaults(func=cmd_health, passthrough=False)
+
+    p = sub.add_parser(
+        "data", help="write verl-layout Parquet: the arithmetic task, or GSM8K converted", add_help=False
+    )
+    p.set_defaults(func=cmd_data, passthrough=True)
+
+    p = sub.add_parser(
+        "engine", help="the embedded CPU engine: an HF model behind SGLang's HTTP API", add_help=False
+    )
+    p.set_defaults(func=cmd_engine, passthrough=True)
 
     p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
     p.set_defaults(func=cmd_protos, passthrough=True)

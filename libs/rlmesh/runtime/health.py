@@ -38,3 +38,12 @@ def scrape_metrics(host: str, port: int, timeout_s: float = 2.0) -> str:
     """The text of a Prometheus ``/metrics`` page."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as resp:
         return resp.read().decode()
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from rlmesh.runtime.health import grpc_health, redis_ping
+from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
 
 log = logging.getLogger("rlmesh.launcher")
 
@@ -82,6 +82,12 @@ class RedisInstance:
 
 
 @dataclass
+class EngineInstance:
+    process: ManagedProcess
+    url: str
+
+
+@dataclass
 class ServiceInstance:
     process: ManagedProcess
     name: str
@@ -113,6 +119,7 @@ class ProcessLauncher:
         child_env = {**os.environ, **(env or {})}
         child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.setdefault("PYTHONUNBUFFERED", "1")
+        child_env.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports deepspeed when present
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
                 list(argv),
@@ -221,6 +228,45 @@ class ProcessLauncher:
             grpc_address=str(proc.info["grpc_address"]),
             metrics_port=int(metrics_port) if metrics_port is not None else None,
         )
+
+    def start_engine(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        name: str = "engine",
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        timeout_s: float = 180.0,
+    ) -> EngineInstance:
+        """Runs ``rlmesh engine`` (the embedded engine) on a free port; waits until /health answers."""
+        ready_file = self.workdir / f"{name}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "rlmesh.cli",
+            "engine",
+            "--model-path",
+            str(model_path),
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready_file),
+            *extra_args,
+        ]
+        proc = self.spawn(name, argv, env)
+
+        def ready() -> bool:
+            if not ready_file.exists():
+                return False
+            proc.info = json.loads(ready_file.read_text())
+            return http_ok(f"http://{host}:{proc.info['port']}/health")
+
+        self.wait_ready(proc, ready, timeout_s)
+        return EngineInstance(process=proc, url=f"http://{host}:{proc.info['port']}")
 
     def stop(self, proc: ManagedProcess, grace_s: float | None = None) -> int | None:
         """SIGTERM to the child's process group, SIGKILL after the grace period; returns its exit code."""

@@ -1,0 +1,63 @@
+"""Keeps the key tables in README.md and docs/config.md equal to the schema.
+
+``make docs`` rewrites them; a test fails when they are stale, so a new key cannot land
+undocumented.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rlmesh.config.keys import keys_markdown_table
+
+START, END = "<!-- config-keys:start -->", "<!-- config-keys:end -->"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def readme_section() -> str:
+    return (
+        "<details><summary>Every key rlmesh uses, with its default (click to open)</summary>\n\n"
+        + keys_markdown_table(include_compat=False)
+        + "\n\n</details>\n\nThe verl keys that are accepted but have no effect are listed in "
+        "[docs/config.md](docs/config.md)."
+    )
+
+
+def config_doc() -> str:
+    return (
+        "# Configuration keys\n\nGenerated from the schema by `make docs`; do not edit by hand.\n"
+        "Defaults equal verl's `ppo_trainer.yaml` wherever verl has the key.\n\n"
+        + keys_markdown_table(include_compat=True)
+        + "\n"
+    )
+
+
+def render_readme(text: str) -> str:
+    if START not in text or END not in text:
+        raise ValueError(f"README has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{readme_section()}\n{END}{tail}"
+
+
+def sync(root: Path = REPO_ROOT, check: bool = False) -> list[str]:
+    """Returns the files that were (or, with ``check``, would be) changed."""
+    changed = []
+    for path, new in (
+        (root / "README.md", render_readme((root / "README.md").read_text())),
+        (root / "docs" / "config.md", config_doc()),
+    ):
+        old = path.read_text() if path.exists() else ""
+        if old != new:
+            changed.append(str(path.relative_to(root)))
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(new)
+    return changed
+
+
+if __name__ == "__main__":
+    stale = sync(check="--check" in sys.argv)
+    print("updated: " + ", ".join(stale) if stale else "config key tables are current")
+    sys.exit(1 if stale and "--check" in sys.argv else 0)

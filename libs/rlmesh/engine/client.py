@@ -1,0 +1,197 @@
+"""One async client for SGLang's native HTTP API, for a real SGLang server and the embedded
+engine alike. Every call has a deadline; every failure names the engine's URL and the endpoint.
+
+Version differences are probed, not configured: ``/begin_weight_update`` and
+``/end_weight_update`` (SGLang 0.5.21+) are called when the server has them (a 404 is
+remembered and skipped afterwards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    """An engine call failed; the message names the engine URL, the endpoint and why."""
+
+
+class EngineClient:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, name: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._has_begin_end: bool | None = None
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, path: str, json: Any = None, timeout_s: float | None = None
+    ) -> httpx.Response:
+        try:
+            return await self._http.request(
+                method,
+                path,
+                json=json,
+                timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        except httpx.TimeoutException as e:
+            raise EngineError(
+                f"{self.name}: {path} timed out after {timeout_s or self.timeout_s:.0f} s"
+            ) from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self.name}: {path} failed: {type(e).__name__}: {e}") from e
+
+    async def _json(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Any:
+        resp = await self._call(method, path, json, timeout_s)
+        if resp.status_code != 200:
+            raise EngineError(f"{self.name}: {path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp.json()
+
+    async def _ack(self, path: str, json: Any, timeout_s: float | None = None) -> str:
+        """Control calls answer {success, message}; success=false raises with the message."""
+        resp = await self._call("POST", path, json, timeout_s)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"success": resp.status_code == 200, "message": resp.text}
+        if resp.status_code != 200 or not body.get("success", False):
+            raise EngineError(f"{self.name}: {path} failed ({resp.status_code}): {body.get('message', body)}")
+        return str(body.get("message", ""))
+
+    # ----- generation -----
+    async def generate(
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if return_logprob:
+            body["logprob_start_len"] = -1
+        if rid:
+            body["rid"] = rid
+        return await self._json("POST", "/generate", body, timeout_s)
+
+    async def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            resp = await self._call("GET", "/health_generate", timeout_s=timeout_s)
+        except EngineError:
+            return False
+        return resp.status_code == 200
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.healthy():
+            if time.monotonic() > deadline:
+                raise EngineError(f"{self.name}: /health_generate not OK within {timeout_s:.0f} s")
+
+    async def model_info(self) -> dict[str, Any]:
+        resp = await self._call("GET", "/get_model_info")
+        if resp.status_code == 404:
+            resp = await self._call("GET", "/model_info")
+        if resp.status_code != 200:
+            raise EngineError(f"{self.name}: model info answered {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    async def flush_cache(self) -> None:
+        resp = await self._call("POST", "/flush_cache")
+        if resp.status_code != 200:
+            raise EngineError(f"{self.name}: /flush_cache answered {resp.status_code}: {resp.text[:300]}")
+
+    async def pause_generation(self) -> None:
+        await self._call("POST", "/pause_generation", {})
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    # ----- weights -----
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> str:
+        return await self._ack(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool = False,
+    ) -> str:
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._ack("/update_weights_from_distributed", body)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> str:
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": True}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._ack("/update_weights_from_disk", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> str:
+        return await self._ack("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self._json(
+            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}
+        )
+
+    async def update_weight_version(self, version: str) -> str:
+        return await self._ack("/update_weight_version", {"new_version": version})
+
+    async def begin_weight_update(self) -> None:
+        await self._probe_call("/begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        await self._probe_call("/end_weight_update")
+
+    async def _probe_call(self, path: str) -> None:
+        if self._has_begin_end is False:
+            return
+        resp = await self._call("POST", path, {})
+        if resp.status_code == 404:
+            self._has_begin_end = False  # SGLang before 0.5.21, or the embedded engine
+            return
+        self._has_begin_end = True
+        if resp.status_code != 200:
+            raise EngineError(f"{self.name}: {path} answered {resp.status_code}: {resp.text[:300]}")

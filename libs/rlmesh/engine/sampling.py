@@ -1,0 +1,148 @@
+"""SGLang ``sampling_params`` for the embedded engine: parsing (unknown keys are refused as
+SGLang 0.5.22+ does) and per-sequence sampling.
+
+Log-probs are always those of the sampled token under the model's raw distribution
+(``log_softmax(logits)`` at temperature 1, before top-k/top-p/min-p), whatever the sampling
+parameters: that is the distribution the learner's ``logprobs_from_logits`` computes, so the two
+are comparable token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Keys SGLang's SamplingParams accepts (shared/notes/sglang-api.md). We honour all of them except
+# the penalties, which are accepted only at their neutral values.
+KNOWN_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_new_tokens",
+        "n",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "skip_special_tokens",
+        "sampling_seed",
+        "no_stop_trim",
+        "spaces_between_special_tokens",
+    }
+)
+ALL_TOKENS = 1 << 30
+GREEDY_EPS = 1e-6
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter the engine cannot honour; the HTTP layer answers 400 with it."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = ALL_TOKENS
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+
+def _number(params: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SamplingParamsError(f"sampling_params.{key}: expected a number, got {value!r}")
+    if kind is int and float(value) != int(value):
+        raise SamplingParamsError(f"sampling_params.{key}: expected an integer, got {value!r}")
+    return kind(value)
+
+
+def parse_sampling_params(params: Mapping[str, Any] | None) -> SamplingParams:
+    """Validates a request's ``sampling_params`` dict; every error names the key."""
+    params = dict(params or {})
+    unknown = sorted(set(params) - KNOWN_KEYS)
+    if unknown:
+        raise SamplingParamsError(f"unknown sampling_params keys {unknown}; accepted: {sorted(KNOWN_KEYS)}")
+    for key, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        if params.get(key, neutral) not in (neutral, None):
+            raise SamplingParamsError(
+                f"sampling_params.{key}={params[key]!r}: the embedded engine supports only {neutral}"
+            )
+    sp = SamplingParams(
+        max_new_tokens=_number(params, "max_new_tokens", int, 128),
+        temperature=_number(params, "temperature", float, 1.0),
+        top_p=_number(params, "top_p", float, 1.0),
+        top_k=_number(params, "top_k", int, ALL_TOKENS),
+        min_p=_number(params, "min_p", float, 0.0),
+        min_new_tokens=_number(params, "min_new_tokens", int, 0),
+        n=_number(params, "n", int, 1),
+        sampling_seed=None
+        if params.get("sampling_seed") is None
+        else _number(params, "sampling_seed", int, 0),
+        ignore_eos=bool(params.get("ignore_eos", False)),
+        skip_special_tokens=bool(params.get("skip_special_tokens", True)),
+    )
+    stop = params.get("stop") or []
+    sp.stop = [stop] if isinstance(stop, str) else list(stop)
+    if not all(isinstance(s, str) for s in sp.stop):
+        raise SamplingParamsError(f"sampling_params.stop: expected a string or list of strings, got {stop!r}")
+    ids = params.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise SamplingParamsError(f"sampling_params.stop_token_ids: expected a list of integers, got {ids!r}")
+    sp.stop_token_ids = ids
+    if sp.top_k == -1 or sp.top_k == 0:
+        sp.top_k = ALL_TOKENS  # SGLang maps -1 (and verl's 0/-1) to "all tokens"
+    checks = [
+        (sp.max_new_tokens >= 0, "max_new_tokens", sp.max_new_tokens, ">= 0"),
+        (sp.temperature >= 0, "temperature", sp.temperature, ">= 0"),
+        (0 < sp.top_p <= 1, "top_p", sp.top_p, "in (0, 1]"),
+        (sp.top_k >= 1, "top_k", sp.top_k, ">= 1, or -1 for all"),
+        (0 <= sp.min_p <= 1, "min_p", sp.min_p, "in [0, 1]"),
+        (sp.min_new_tokens >= 0, "min_new_tokens", sp.min_new_tokens, ">= 0"),
+        (sp.n >= 1, "n", sp.n, ">= 1"),
+    ]
+    for ok, key, value, allowed in checks:
+        if not ok:
+            raise SamplingParamsError(f"sampling_params.{key}={value!r}: must be {allowed}")
+    return sp
+
+
+def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None) -> int:
+    """Picks the next token from one row of logits ``(vocab,)`` under ``sp``."""
+    if sp.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / sp.temperature
+    if sp.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sp.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sp.min_p > 0:
+        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    if sp.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_probs > sp.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

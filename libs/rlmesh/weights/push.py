@@ -1,0 +1,240 @@
+"""The trainer's side of weight sync: push named tensors to engines over torch.distributed.
+
+One process group per engine (world size 1 + the engine's ranks): a replica that dies mid-push
+breaks only its own group, so the push fails fast for it — naming it — and completes for the
+others; a broadcast's bytes leave the trainer once per receiver either way on gloo. For each
+bucket and each engine, the update call (names, dtypes, shapes) goes out first, then the trainer
+broadcasts each tensor in that order, then the call's answer is awaited. Every collective has the
+group's deadline and every HTTP call the client's: nothing hangs silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.runtime.launcher import free_port
+from rlmesh.weights.group import destroy_process_group, init_custom_process_group
+
+log = logging.getLogger("rlmesh.weights")
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightPushError(RuntimeError):
+    """A push failed for one or more engines; ``failed`` maps each engine's name to why."""
+
+    def __init__(self, failed: dict[str, str]) -> None:
+        self.failed = failed
+        super().__init__("weight push failed for " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+
+
+@dataclass
+class EngineLink:
+    client: EngineClient
+    ranks: int = 1  # the engine's TP size
+    group_name: str = ""
+    pg: dist.ProcessGroup | None = None
+    healthy: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.client.name
+
+
+@dataclass
+class PushReport:
+    version: str
+    seconds: float
+    bytes_per_engine: int
+    engines: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """A stable checksum of a tensor's values as float32 (engines may hold another dtype)."""
+    return hashlib.sha256(t.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def buckets(named: NamedTensors, bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class WeightPusher:
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        *,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        bucket_bytes: int = 256 << 20,
+        group_prefix: str = "rlmesh_weights",
+    ) -> None:
+        self.links = [EngineLink(client=e) for e in engines]
+        self.backend = backend
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.group_prefix = group_prefix
+        self._generation = 0
+
+    @property
+    def healthy_links(self) -> list[EngineLink]:
+        return [link for link in self.links if link.healthy]
+
+    async def connect(self) -> None:
+        """Builds one group per healthy engine that has none; engines that fail are marked unhealthy."""
+        failed: dict[str, str] = {}
+        await asyncio.gather(*(self._connect(link, failed) for link in self.healthy_links if link.pg is None))
+        if failed:
+            raise WeightPushError(failed)
+
+    async def _connect(self, link: EngineLink, failed: dict[str, str]) -> None:
+        self._generation += 1
+        link.group_name = f"{self.group_prefix}_{self._generation}"
+        port = free_port(self.master_address)
+        world = 1 + link.ranks
+        own = asyncio.create_task(
+            asyncio.to_thread(
+                init_custom_process_group,
+                self.backend,
+                f"tcp://{self.master_address}:{port}",
+                world,
+                0,
+                link.group_name,
+                self.timeout_s,
+            )
+        )
+        try:
+            await link.client.init_weights_update_group(
+                self.master_address, port, 1, world, link.group_name, self.backend
+            )
+            link.pg = await own
+        except Exception as e:
+            link.healthy = False
+            failed[link.name] = f"could not build weight group: {e}"
+            log.error("engine %s: weight group failed: %s", link.name, e)
+            # Our side of the rendezvous gives up at its deadline; don't wait for it here.
+            own.add_done_callback(lambda t: t.exception() is None and destroy_process_group(t.result()))
+
+    async def push(
+        self, named: NamedTensors, version: str | int, on_bucket: Callable[[int, int], None] | None = None
+    ) -> PushReport:
+        """Pushes every tensor to every healthy engine. Engines that fail are marked unhealthy and
+        listed in the report; raises ``WeightPushError`` only if no engine got the weights."""
+        await self.connect_or_mark()
+        start = time.perf_counter()
+        targets = self.healthy_links
+        failed: dict[str, str] = {}
+        total = 0
+        for bucket in buckets(named, self.bucket_bytes):
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            tensors = [
+                t.detach().contiguous().cpu() if self.backend == "gloo" else t.detach().contiguous()
+                for _, t in bucket
+            ]
+            live = [link for link in targets if link.name not in failed]
+            await asyncio.gather(
+                *(self._push_bucket(link, bucket, tensors, str(version), failed) for link in live)
+            )
+            if on_bucket is not None:
+                on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
+        for link in targets:
+            if link.name in failed:
+                link.healthy = False
+                self._drop_group(link)
+        report = PushReport(
+            version=str(version),
+            seconds=time.perf_counter() - start,
+            bytes_per_engine=total,
+            engines=[link.name for link in targets if link.name not in failed],
+            failed=failed,
+        )
+        if targets and not report.engines:
+            raise WeightPushError(failed)
+        return report
+
+    async def connect_or_mark(self) -> None:
+        try:
+            await self.connect()
+        except WeightPushError as e:
+            log.error("%s", e)
+
+    async def _push_bucket(
+        self,
+        link: EngineLink,
+        bucket: list[tuple[str, torch.Tensor]],
+        tensors: list[torch.Tensor],
+        version: str,
+        failed: dict[str, str],
+    ) -> None:
+        assert link.pg is not None
+        call = asyncio.create_task(
+            link.client.update_weights_from_distributed(
+                [n for n, _ in bucket],
+                [str(t.dtype).removeprefix("torch.") for t in tensors],
+                [list(t.shape) for t in tensors],
+                link.group_name,
+                weight_version=version,
+            )
+        )
+
+        def broadcast_all() -> None:
+            for t in tensors:
+                dist.broadcast(t, src=0, group=link.pg)
+
+        try:
+            await link.client.begin_weight_update()
+            await asyncio.to_thread(broadcast_all)
+            await call
+            await link.client.end_weight_update()
+        except (EngineError, RuntimeError, OSError) as e:
+            call.cancel()
+            failed[link.name] = f"{type(e).__name__}: {e}"
+            log.error("engine %s: weight push failed: %s", link.name, e)
+
+    def _drop_group(self, link: EngineLink) -> None:
+        if link.pg is not None:
+            destroy_process_group(link.pg)
+            link.pg = None
+
+    async def verify(self, sample: dict[str, torch.Tensor], truncate_size: int = 100) -> dict[str, list[str]]:
+        """Compares a sample of tensors with what each healthy engine holds (``/get_weights_by_name``).
+        Returns the names that differ, by engine (empty lists when everything matches)."""
+        mismatches: dict[str, list[str]] = {}
+        for link in self.healthy_links:
+            bad = []
+            for name, t in sample.items():
+                theirs = torch.tensor(await link.client.get_weights_by_name(name, truncate_size))
+                ours = t.detach()[:truncate_size].to(torch.float32).cpu()
+                if theirs.shape != ours.shape or tensor_checksum(theirs) != tensor_checksum(ours):
+                    bad.append(name)
+            mismatches[link.name] = bad
+        return mismatches
+
+    async def close(self) -> None:
+        for link in self.links:
+            if link.pg is not None and link.healthy:
+                try:
+                    await link.client.destroy_weights_update_group(link.group_name)
+                except EngineError as e:
+                    log.warning("%s", e)
+            self._drop_group(link)

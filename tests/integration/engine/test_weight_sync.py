@@ -1,0 +1,137 @@
+"""Weight sync from a trainer process (this test) to real engine processes over gloo."""
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.engine.client import EngineClient
+from rlmesh.weights.push import WeightPusher, WeightPushError
+
+PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [80, 81, 82]]
+NEW_TOKENS = 8
+
+
+def greedy_reference(model, prompts):
+    """Greedy decoding by full forward passes: what any correct engine must reproduce."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(p) :])
+    return outs
+
+
+def engine_greedy(url):
+    body = {
+        "input_ids": PROMPTS,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    return [o["output_ids"] for o in httpx.post(url + "/generate", json=body, timeout=120).json()]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, other_model_dir):
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    return start, target
+
+
+def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
+    launcher, tiny_model_dir, models
+):
+    start, target = models
+    engines = [launcher.start_engine(tiny_model_dir, name=f"push-{i}") for i in range(2)]
+    assert all(engine_greedy(e.url) == greedy_reference(start, PROMPTS) for e in engines)
+    expected = greedy_reference(target, PROMPTS)
+    assert expected != greedy_reference(start, PROMPTS), "the two test models must differ"
+
+    async def push():
+        clients = [EngineClient(e.url, timeout_s=120) for e in engines]
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=60, bucket_bytes=64 << 10)
+        try:
+            report = await pusher.push(target.state_dict().items(), version=3)
+            mismatches = await pusher.verify(dict(list(target.state_dict().items())[:4]))
+            await pusher.close()
+            return report, mismatches
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    report, mismatches = asyncio.run(push())
+    assert not report.failed and len(report.engines) == 2
+    assert report.bytes_per_engine == sum(t.numel() * t.element_size() for t in target.state_dict().values())
+    assert all(m == [] for m in mismatches.values())
+    for e in engines:
+        assert engine_greedy(e.url) == expected
+        info = httpx.get(e.url + "/get_model_info").json()
+        assert info["weight_version"] == "3"
+        launcher.stop(e.process)
+
+
+def test_disk_reload_makes_the_engine_produce_the_new_models_greedy_output(
+    launcher, tiny_model_dir, other_model_dir, models
+):
+    _, target = models
+    engine = launcher.start_engine(tiny_model_dir, name="disk")
+
+    async def reload():
+        client = EngineClient(engine.url)
+        try:
+            await client.update_weights_from_disk(str(other_model_dir), weight_version="9")
+        finally:
+            await client.aclose()
+
+    asyncio.run(reload())
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
+    bad = httpx.post(engine.url + "/update_weights_from_disk", json={"model_path": "/nonexistent"}).json()
+    assert bad["success"] is False and "no safetensors file at /nonexistent" in bad["message"]
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)  # a failed reload changes nothing
+    launcher.stop(engine.process)
+
+
+def test_a_replica_killed_during_a_push_fails_fast_and_the_survivors_get_the_next_push(
+    launcher, tiny_model_dir, models
+):
+    start, target = models
+    survivor = launcher.start_engine(tiny_model_dir, name="survivor")
+    doomed = launcher.start_engine(tiny_model_dir, name="doomed")
+
+    async def scenario():
+        clients = [
+            EngineClient(survivor.url, name="survivor", timeout_s=120),
+            EngineClient(doomed.url, name="doomed", timeout_s=120),
+        ]
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=60, bucket_bytes=16 << 10)
+        buckets_done = []
+
+        def kill_after_first_bucket(n_tensors, sent):
+            buckets_done.append(sent)
+            if len(buckets_done) == 1:
+                os.kill(doomed.process.pid, signal.SIGKILL)
+
+        try:
+            first = await pusher.push(
+                target.state_dict().items(), version=1, on_bucket=kill_after_first_bucket
+            )
+            assert len(buckets_done) > 2, "the push must span several buckets for this test"
+            second = await pusher.push(start.state_dict().items(), version=2)
+            return first, second, [link.name for link in pusher.healthy_links]
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    first, second, healthy = asyncio.run(scenario())
+    assert list(first.failed) == ["doomed"] and first.engines == ["survivor"]
+    assert "doomed" in str(WeightPushError(first.failed))
+    assert healthy == ["survivor"]
+    assert second.engines == ["survivor"] and not second.failed
+    assert engine_greedy(survivor.url) == greedy_reference(start, PROMPTS)
+    launcher.stop(survivor.process)
