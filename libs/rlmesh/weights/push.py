@@ -145,6 +145,7 @@ class WeightPusher:
         targets = self.healthy_links
         failed: dict[str, str] = {}
         total = 0
+        await self._bracket(targets, True, failed)
         for bucket in buckets(named, self.bucket_bytes):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             tensors = [
@@ -157,6 +158,7 @@ class WeightPusher:
             )
             if on_bucket is not None:
                 on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
+        await self._bracket(targets, False, failed)
         for link in targets:
             if link.name in failed:
                 link.healthy = False
@@ -187,7 +189,14 @@ class WeightPusher:
         failed: dict[str, str],
     ) -> None:
         assert link.pg is not None
-        call = asyncio.create_task(
+
+        def broadcast_all() -> None:
+            for t in tensors:
+                dist.broadcast(t, src=0, group=link.pg)
+
+        # The engine must be inside its receive before our broadcasts can complete: send the
+        # call, broadcast while it waits, then take its answer.
+        call: asyncio.Task[str] = asyncio.create_task(  # noqa: RUF006 - awaited below
             link.client.update_weights_from_distributed(
                 [n for n, _ in bucket],
                 [str(t.dtype).removeprefix("torch.") for t in tensors],
@@ -196,20 +205,24 @@ class WeightPusher:
                 weight_version=version,
             )
         )
-
-        def broadcast_all() -> None:
-            for t in tensors:
-                dist.broadcast(t, src=0, group=link.pg)
-
         try:
-            await link.client.begin_weight_update()
             await asyncio.to_thread(broadcast_all)
             await call
-            await link.client.end_weight_update()
         except (EngineError, RuntimeError, OSError) as e:
             call.cancel()
             failed[link.name] = f"{type(e).__name__}: {e}"
             log.error("engine %s: weight push failed: %s", link.name, e)
+
+    async def _bracket(self, links: list[EngineLink], begin: bool, failed: dict[str, str]) -> None:
+        """SGLang 0.5.21+ wants a push wrapped in /begin_weight_update ... /end_weight_update."""
+
+        async def one(link: EngineLink) -> None:
+            try:
+                await (link.client.begin_weight_update() if begin else link.client.end_weight_update())
+            except EngineError as e:
+                failed[link.name] = str(e)
+
+        await asyncio.gather(*(one(link) for link in links if link.name not in failed))
 
     def _drop_group(self, link: EngineLink) -> None:
         if link.pg is not None:
