@@ -16,9 +16,9 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue  # noqa: E402
-from rlmesh.runtime.launcher import ProcessLauncher  # noqa: E402
-from rlmesh.v1 import trajectory_pb2  # noqa: E402
+from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.v1 import trajectory_pb2
 
 
 def make_trajectory(uid: str, size_bytes: int) -> trajectory_pb2.Trajectory:

@@ -96,10 +96,10 @@ class QueueConfig(Section):
     """Redis Streams holding prompt tasks and trajectories."""
 
     prompt_stream_maxlen: int = Field(
-        100_000, gt=0, description="approximate cap on the prompt stream length"
+        100_000, gt=0, description="bound on unfinished prompt tasks; a put past it fails, nothing is trimmed"
     )
     trajectory_stream_maxlen: int = Field(
-        100_000, gt=0, description="approximate cap on the trajectory stream length"
+        100_000, gt=0, description="bound on unconsumed trajectories; a put past it fails, nothing is trimmed"
     )
     claim_idle_ms: int = Field(
         60_000, gt=0, description="a task idle this long at a dead consumer is reclaimed, ms"
@@ -107,6 +107,24 @@ class QueueConfig(Section):
     max_deliveries: int = Field(3, ge=1, description="deliveries of one task before it is dropped as poison")
     heartbeat_ttl_s: float = Field(
         15.0, gt=0, description="a replica missing heartbeats this long is dropped, seconds"
+    )
+
+
+class SamplerConfig(Section):
+    """A rollout replica's sampler loop and its engine."""
+
+    replica_id: str | None = Field(None, description="this replica's id in the registry; null = host-pid")
+    tasks_in_flight: int = Field(8, ge=1, description="prompt tasks one replica works on at once")
+    claim_block_ms: int = Field(1000, ge=1, description="how long one claim waits for new tasks, ms")
+    retry_backoff_s: float = Field(0.2, gt=0, description="first backoff when reward/reference fail; doubles")
+    retry_max_backoff_s: float = Field(10.0, gt=0, description="longest backoff between retries, seconds")
+    breaker_failures: int = Field(
+        5, ge=1, description="consecutive failures that open a dependency's breaker"
+    )
+    breaker_reset_s: float = Field(5.0, gt=0, description="an open breaker lets one call through after this")
+    engine_max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
+    engine_startup_timeout_s: float = Field(
+        600.0, gt=0, description="wait this long for the engine to be healthy"
     )
 
 
@@ -142,6 +160,9 @@ class RlmeshSection(Section):
     )
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="process lifecycle")
     queue: QueueConfig = Field(default_factory=QueueConfig, description="Redis streams")
+    sampler: SamplerConfig = Field(
+        default_factory=SamplerConfig, description="rollout replicas' sampler loop"
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -16,7 +16,17 @@ import httpx
 
 
 class EngineError(RuntimeError):
-    """An engine call failed; the message names the engine URL, the endpoint and why."""
+    """An engine call failed; the message names the engine URL, the endpoint and why.
+    ``status`` is the HTTP status when the engine answered (None when it could not be reached)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def rejected(self) -> bool:
+        """The engine refused the request itself (4xx): retrying the same request cannot help."""
+        return self.status is not None and 400 <= self.status < 500
 
 
 class EngineClient:
@@ -50,7 +60,9 @@ class EngineClient:
     async def _json(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Any:
         resp = await self._call(method, path, json, timeout_s)
         if resp.status_code != 200:
-            raise EngineError(f"{self.name}: {path} answered {resp.status_code}: {resp.text[:500]}")
+            raise EngineError(
+                f"{self.name}: {path} answered {resp.status_code}: {resp.text[:500]}", resp.status_code
+            )
         return resp.json()
 
     async def _ack(self, path: str, json: Any, timeout_s: float | None = None) -> str:

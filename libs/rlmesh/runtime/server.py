@@ -78,6 +78,7 @@ class GrpcService:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = []
         self._shutdown_hooks: list[ShutdownHook] = []
+        self._start_hooks: list[ShutdownHook] = []
         self._stop_requested = asyncio.Event()
         self.port: int | None = None
         self.metrics_server: MetricsHttpServer | None = None
@@ -92,6 +93,10 @@ class GrpcService:
         """Registers a generated servicer, e.g. ``reward_pb2_grpc.add_RewardServicer_to_server``."""
         add_fn(servicer, self.server)
         self._service_names.append(full_service_name)
+
+    def on_start(self, hook: ShutdownHook) -> None:
+        """Runs ``hook`` once the server is serving (e.g. to start background loops)."""
+        self._start_hooks.append(hook)
 
     def on_shutdown(self, hook: ShutdownHook) -> None:
         """Runs ``hook`` after in-flight RPCs finished (or the grace period ran out), in reverse order."""
@@ -134,6 +139,8 @@ class GrpcService:
                 "services": self._service_names,
             },
         )
+        for hook in self._start_hooks:
+            await hook()
         if self.ready_file is not None:
             self._write_ready_file()
 

@@ -1,0 +1,1 @@
+"""The rollout replica's library: the sampler loop, engine launching, retries and breakers."""

@@ -1,0 +1,281 @@
+"""The sampler loop with a real engine process, real Redis and real gRPC reward/reference servers
+(small servicers defined here: the sampler must work with any service that speaks the protos)."""
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.engine.client import EngineClient
+from rlmesh.models import build_tiny_model, build_tokenizer
+from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
+from rlmesh.rollout.resilience import CircuitBreaker
+from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings
+from rlmesh.runtime.launcher import ProcessLauncher, free_port
+from rlmesh.runtime.server import GrpcService
+from rlmesh.v1 import (
+    common_pb2,
+    reference_pb2,
+    reference_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+    trajectory_pb2,
+)
+
+
+class LengthReward(reward_pb2_grpc.RewardServicer):
+    """score = response length / 10; a response containing token 13 fails with a per-sample error."""
+
+    async def Score(self, request, context):
+        results = []
+        for s in request.samples:
+            if 13 in s.response_ids:
+                results.append(
+                    reward_pb2.RewardResult(
+                        uid=s.uid,
+                        error=common_pb2.SampleError(
+                            code=common_pb2.ERROR_CODE_FUNCTION_FAILED, message="13 is unlucky"
+                        ),
+                    )
+                )
+            else:
+                results.append(
+                    reward_pb2.RewardResult(
+                        uid=s.uid, score=len(s.response_ids) / 10, extra={"len": len(s.response_ids)}
+                    )
+                )
+        return reward_pb2.ScoreResponse(results=results)
+
+
+class ModelReference(reference_pb2_grpc.ReferenceServicer):
+    def __init__(self, model):
+        self.model = model
+
+    async def LogProbs(self, request, context):
+        results = []
+        with torch.no_grad():
+            for s in request.samples:
+                ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)])
+                logp = torch.log_softmax(self.model(ids).logits[0].float(), -1)
+                p = len(s.prompt_ids)
+                results.append(
+                    reference_pb2.LogProbsResult(
+                        uid=s.uid, log_probs=[logp[p - 1 + i, t].item() for i, t in enumerate(s.response_ids)]
+                    )
+                )
+        return reference_pb2.LogProbsResponse(results=results)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("m"), build_tokenizer(), hidden_size=64, num_layers=2, seed=3
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model_dir):
+    with ProcessLauncher(tmp_path_factory.mktemp("sampler"), stop_grace_s=20) as launcher:
+        redis = launcher.start_redis()
+        engine = launcher.start_engine(model_dir)
+        yield redis, engine
+
+
+async def start_server(servicer, add_fn, name, port=0):
+    service = GrpcService(name, port=port, metrics_port=None, shutdown_grace_s=1)
+    service.add_servicer(add_fn, servicer, f"rlmesh.v1.{name.capitalize()}")
+    await service.start()
+    return service
+
+
+async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, **settings):
+    redis = connect(redis_url)
+    reward_ch = grpc.aio.insecure_channel(reward_addr)
+    ref_ch = grpc.aio.insecure_channel(ref_addr)
+
+    async def score(samples):
+        return list(
+            (
+                await reward_pb2_grpc.RewardStub(reward_ch).Score(
+                    reward_pb2.ScoreRequest(samples=samples), timeout=5
+                )
+            ).results
+        )
+
+    async def ref(samples):
+        return list(
+            (
+                await reference_pb2_grpc.ReferenceStub(ref_ch).LogProbs(
+                    reference_pb2.LogProbsRequest(samples=samples), timeout=30
+                )
+            ).results
+        )
+
+    sampler = SamplerLoop(
+        prompts=prompt_queue(redis, keys, "replica-1"),
+        trajectories=trajectory_queue(redis, keys, "replica-1"),
+        engine=EngineClient(engine_url),
+        score=score,
+        ref_logprobs=ref,
+        settings=SamplerSettings(
+            replica_id="replica-1",
+            claim_block_ms=100,
+            backoff_s=0.05,
+            max_backoff_s=0.2,
+            sampling_defaults={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+            **settings,
+        ),
+        reward_breaker=CircuitBreaker("reward", failures=3, reset_s=0.2),
+        reference_breaker=CircuitBreaker("reference", failures=3, reset_s=0.2),
+    )
+    return sampler, redis, [reward_ch, ref_ch]
+
+
+def task(uid, n=2, prompt=(5, 6, 7), **kw):
+    return trajectory_pb2.PromptTask(
+        uid=uid,
+        group_uid=f"g-{uid}",
+        n=n,
+        prompt_ids=list(prompt),
+        ground_truth="42",
+        data_source="test",
+        step=1,
+        **kw,
+    )
+
+
+async def collect(redis, keys, want, timeout_s=60):
+    learner = trajectory_queue(redis, keys, "learner")
+    await learner.ensure_group()
+    got = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while len(got) < want:
+        assert loop.time() < deadline, f"only {len(got)} of {want} trajectories arrived"
+        got += [d.message for d in await learner.claim(want - len(got), block_ms=200)]
+    return got
+
+
+async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, model_dir):
+    redis_server, engine = stack
+    keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reward = await start_server(LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward")
+    reference = await start_server(
+        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
+    )
+    sampler, redis, chans = await make_sampler(
+        redis_server.url, engine.url, keys, reward.address, reference.address
+    )
+    runner = asyncio.create_task(sampler.run())
+    try:
+        prompts = prompt_queue(redis, keys, "learner")
+        await prompts.ensure_group()
+        await prompts.put([task("a", n=3), task("b", n=2, prompt=(9, 10), sample_offset=2)])
+        trajs = await collect(redis, keys, 5)
+        by_uid = {t.uid: t for t in trajs}
+        assert sorted(by_uid) == ["g-a/0", "g-a/1", "g-a/2", "g-b/2", "g-b/3"]
+        for t in trajs:
+            assert len(t.response_ids) == 6 and len(t.rollout_log_probs) == 6 and len(t.ref_log_probs) == 6
+            assert t.replica_id == "replica-1" and t.ground_truth == "42" and t.step == 1
+            assert t.finish_reason == "length" and t.timings.total_s >= t.timings.generate_s > 0
+            if t.HasField("error"):
+                assert 13 in t.response_ids and t.error.message == "13 is unlucky"
+            else:
+                assert t.score == pytest.approx(0.6) and t.reward_extra["len"] == 6
+            # the engine's rollout log-probs and the reference's agree: same weights
+            assert max(abs(a - b) for a, b in zip(t.rollout_log_probs, t.ref_log_probs, strict=True)) < 1e-4
+        # Acked only after publishing: nothing left in the prompt stream.
+        assert await prompts.length() == 0
+    finally:
+        await sampler.stop(5)
+        runner.cancel()
+        await reward.stop()
+        await reference.stop()
+        for ch in chans:
+            await ch.close()
+        await redis.aclose()
+
+
+async def test_a_reward_outage_stalls_trajectories_and_loses_none(stack, model_dir):
+    redis_server, engine = stack
+    keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reward_port = free_port()
+    reference = await start_server(
+        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
+    )
+    sampler, redis, chans = await make_sampler(
+        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", reference.address
+    )
+    runner = asyncio.create_task(sampler.run())
+    reward = None
+    try:
+        prompts = prompt_queue(redis, keys, "learner")
+        await prompts.ensure_group()
+        await prompts.put([task("x", n=2), task("y", n=2)])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while sampler.metrics.retries.labels("reward")._value.get() < 4:
+            assert loop.time() < deadline, "the sampler never retried the missing reward service"
+            await asyncio.sleep(0.05)
+        assert sampler.reward_breaker.consecutive_failures >= 3  # the breaker opened
+        assert (
+            await redis.xlen(keys.trajectories) == 0 and await prompts.length() == 2
+        )  # stalled, not dropped
+        reward = await start_server(
+            LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=reward_port
+        )
+        trajs = await collect(redis, keys, 4)
+        assert sorted(t.uid for t in trajs) == ["g-x/0", "g-x/1", "g-y/0", "g-y/1"]
+        while await prompts.length():
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        await sampler.stop(5)
+        runner.cancel()
+        if reward:
+            await reward.stop()
+        await reference.stop()
+        for ch in chans:
+            await ch.close()
+        await redis.aclose()
+
+
+async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, model_dir):
+    redis_server, engine = stack
+    keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
+    reward = await start_server(LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = await start_server(
+        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
+    )
+    sampler, redis, chans = await make_sampler(
+        redis_server.url, engine.url, keys, reward.address, reference.address
+    )
+    runner = asyncio.create_task(sampler.run())
+    try:
+        prompts = prompt_queue(redis, keys, "learner")
+        await prompts.ensure_group()
+        await prompts.put([task("bad", prompt=(5, 100000)), task("good", n=1)])
+        trajs = await collect(redis, keys, 1)
+        assert [t.uid for t in trajs] == ["g-good/0"]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while await redis.xlen(keys.dead_letters) == 0:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
+        ((_, fields),) = await redis.xrange(keys.dead_letters)
+        assert b"token ids must be integers in [0, 100)" in fields[b"reason"]
+        assert trajectory_pb2.PromptTask.FromString(fields[b"p"]).uid == "bad"
+    finally:
+        await sampler.stop(5)
+        runner.cancel()
+        await reward.stop()
+        await reference.stop()
+        for ch in chans:
+            await ch.close()
+        await redis.aclose()
