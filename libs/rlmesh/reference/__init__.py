@@ -1,0 +1,33 @@
+"""The frozen reference policy: per-token log-probs of responses under token-budgeted dynamic
+micro-batching (``compute_ref_log_probs``, ``ReferenceModel``), and ``ReferenceClient`` for callers.
+
+``ReferenceClient`` imports no torch; the compute side does (imported on first use).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlmesh.reference.batching import padded_tokens, plan_micro_batches
+from rlmesh.reference.client import ReferenceClient
+
+_LAZY = {"compute_ref_log_probs", "ReferenceModel", "InvalidRequestError", "Cancelled"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from rlmesh.reference import compute
+
+        return getattr(compute, name)
+    raise AttributeError(f"module 'rlmesh.reference' has no attribute {name!r}")
+
+
+__all__ = [
+    "Cancelled",
+    "InvalidRequestError",
+    "ReferenceClient",
+    "ReferenceModel",
+    "compute_ref_log_probs",
+    "padded_tokens",
+    "plan_micro_batches",
+]

@@ -1,0 +1,40 @@
+"""Dynamic micro-batching by tokens: pack samples so that each forward's padded size (rows x longest
+row) stays within a token budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, max_samples: int | None = None
+) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches, longest samples first.
+
+    Every group satisfies ``len(group) * max(lengths[group]) <= max_tokens`` (and ``len(group) <=
+    max_samples`` when given), except a single sample longer than the budget, which goes alone.
+    Sorting by length first keeps similar lengths together, so little of a batch is padding.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current:
+            width = lengths[current[0]]  # descending order: a group's first sample is its longest
+            full = max_samples is not None and len(current) >= max_samples
+            if full or width * (len(current) + 1) > max_tokens:
+                batches.append(current)
+                current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padded_tokens(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> int:
+    """Tokens the forwards of ``batches`` process, padding included."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches if b)

@@ -1,0 +1,227 @@
+"""Reference log-probs: log p_ref(response_t | prompt, response_<t) for each response token, computed
+in token-budgeted micro-batches (``plan_micro_batches``), right-padded, under ``torch.no_grad``.
+
+Each sample's result equals a forward pass over that sample alone (within 1e-5 in fp32 on CPU):
+right padding never changes the logits of the real tokens under causal attention. Logits are divided
+by ``temperature`` first, as verl's reference worker does with the rollout temperature.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlmesh.algo import logprobs_from_logits
+from rlmesh.reference.batching import plan_micro_batches
+
+DEFAULT_MAX_TOKENS = 8192
+DEFAULT_MAX_BATCH_SIZE = 1024
+
+
+class InvalidRequestError(ValueError):
+    """The batch itself is malformed (gRPC INVALID_ARGUMENT); the message says what is wrong."""
+
+
+class Cancelled(RuntimeError):
+    """``should_stop`` said stop between two micro-batches."""
+
+
+@torch.no_grad()
+def compute_ref_log_probs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    max_tokens_per_batch: int = DEFAULT_MAX_TOKENS,
+    max_samples_per_batch: int | None = None,
+    pad_token_id: int = 0,
+    temperature: float = 1.0,
+    should_stop: Callable[[], bool] | None = None,
+    on_micro_batch: Callable[[int, int], None] | None = None,
+) -> list[list[float]]:
+    """Per-token log-probs of each response given its prompt, one list per sample, in order.
+
+    Every prompt needs at least one token. ``on_micro_batch(rows, padded_tokens)`` is told about each
+    forward; ``should_stop`` is asked before each and raises ``Cancelled`` when it says so.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    out: list[list[float]] = [[] for _ in prompts]
+    for batch in plan_micro_batches(lengths, max_tokens_per_batch, max_samples_per_batch):
+        if should_stop is not None and should_stop():
+            raise Cancelled("stopped between micro-batches")
+        width = max(lengths[i] for i in batch)
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids = [*prompts[i], *responses[i]]
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        if on_micro_batch is not None:
+            on_micro_batch(len(batch), len(batch) * width)
+        logits = model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+        ).logits
+        # Only the positions that predict response tokens: row r, positions P-1 .. P+R-2.
+        picked, labels, sizes = [], [], []
+        for row, i in enumerate(batch):
+            p, r = len(prompts[i]), len(responses[i])
+            sizes.append(r)
+            if r:
+                picked.append(logits[row, p - 1 : p + r - 1])
+                labels.append(input_ids[row, p : p + r])
+        if not picked:
+            continue
+        rows = torch.cat(picked).float()
+        if temperature != 1.0:
+            rows = rows / temperature
+        logprobs = logprobs_from_logits(rows, torch.cat(labels).to(rows.device)).cpu()
+        for i, chunk in zip(batch, logprobs.split(sizes), strict=True):
+            out[i] = chunk.tolist()
+    return out
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ReferenceModel:
+    """The frozen reference policy with its limits; ``log_probs`` is safe to call from one thread
+    at a time (a lock makes sure of it)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        model_path: str = "",
+        max_tokens_per_batch: int = DEFAULT_MAX_TOKENS,
+        max_samples_per_batch: int | None = None,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        pad_token_id: int | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        self.model = model.eval()
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+        config = getattr(model, "config", None)
+        self.model_path = model_path
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.max_samples_per_batch = max_samples_per_batch
+        self.max_batch_size = max_batch_size
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+        if pad_token_id is None:
+            eos = getattr(config, "eos_token_id", None)
+            pad_token_id = (eos[0] if isinstance(eos, list) else eos) or 0
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = temperature
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        override_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ReferenceModel:
+        """An HF causal LM from ``path``: fp32 on CPU, bf16 on GPU unless ``dtype`` says otherwise."""
+        from transformers import AutoModelForCausalLM
+
+        local = Path(path).expanduser()
+        source = str(local) if local.exists() else path
+        target = torch.device(device) if device is not None else default_device()
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype or default_dtype(target),
+            trust_remote_code=trust_remote_code,
+            **(override_config or {}),
+        ).to(target)
+        return cls(model, model_path=source, **kwargs)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def validate(self, samples: Sequence[Any]) -> None:
+        """Raises ``InvalidRequestError`` for a batch this model cannot answer. ``samples`` have
+        ``uid``, ``prompt_ids`` and ``response_ids`` (``reference_pb2.LogProbsSample``)."""
+        if len(samples) == 0:
+            raise InvalidRequestError("empty batch: the request has no samples")
+        if len(samples) > self.max_batch_size:
+            raise InvalidRequestError(
+                f"batch of {len(samples)} samples is over this service's max_batch_size of "
+                f"{self.max_batch_size}; split it"
+            )
+        limit = self.max_tokens_per_batch
+        if self.max_positions:
+            limit = min(limit, self.max_positions)
+        for i, s in enumerate(samples):
+            name = f"sample {i} (uid {s.uid!r})"
+            if len(s.prompt_ids) == 0:
+                raise InvalidRequestError(
+                    f"{name}: prompt_ids is empty (the first response token needs a prompt)"
+                )
+            if len(s.response_ids) == 0:
+                raise InvalidRequestError(f"{name}: response_ids is empty")
+            total = len(s.prompt_ids) + len(s.response_ids)
+            if total > limit:
+                why = (
+                    f"the model's max_position_embeddings of {self.max_positions}"
+                    if self.max_positions and limit == self.max_positions
+                    else f"the token budget per forward of {self.max_tokens_per_batch}"
+                )
+                raise InvalidRequestError(
+                    f"{name}: {len(s.prompt_ids)} prompt + {len(s.response_ids)} response tokens = "
+                    f"{total}, over {why}"
+                )
+            for field in ("prompt_ids", "response_ids"):
+                ids = getattr(s, field)
+                low, high = min(ids), max(ids)
+                if low < 0:
+                    raise InvalidRequestError(f"{name}: {field} holds a negative token id {low}")
+                if high >= self.vocab_size:
+                    raise InvalidRequestError(
+                        f"{name}: {field} holds token id {high}, not below the vocabulary size {self.vocab_size}"
+                    )
+
+    def log_probs(
+        self,
+        samples: Sequence[Any],
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        on_micro_batch: Callable[[int, int], None] | None = None,
+    ) -> list[list[float]]:
+        """Validated log-probs, one list per sample (blocking: run it in a thread from asyncio)."""
+        self.validate(samples)
+        with self._lock:
+            return compute_ref_log_probs(
+                self.model,
+                [list(s.prompt_ids) for s in samples],
+                [list(s.response_ids) for s in samples],
+                max_tokens_per_batch=self.max_tokens_per_batch,
+                max_samples_per_batch=self.max_samples_per_batch,
+                pad_token_id=self.pad_token_id,
+                temperature=self.temperature,
+                should_stop=should_stop,
+                on_micro_batch=on_micro_batch,
+            )

@@ -1,0 +1,128 @@
+"""Where clients find a service: a fixed list, or a list in Redis read at each call.
+
+The reward address list of a run lives at ``rlmesh:{<run>}:reward_addresses`` (``RunKeys.scoped``) as
+one JSON array of ``host:port`` strings, so a swap is one atomic SET and a reader needs one GET. A
+``RedisAddresses`` source re-reads it at most every ``cache_s`` seconds (default 0.5), so rollout
+replicas follow a swap within a second without a restart; while the key is absent or empty, or Redis
+cannot be reached, it serves the last list it read, else its fallback (the configured addresses).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from rlmesh.queue.keys import RunKeys
+
+log = logging.getLogger("rlmesh.reward")
+
+REWARD_ADDRESSES = "reward_addresses"
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def check_address(address: str) -> str:
+    """``address`` when it is ``host:port`` (IPv6 as ``[::1]:port``) with a port in 1..65535."""
+    m = _HOST_PORT.match(address.strip()) if isinstance(address, str) else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"not a host:port address: {address!r}")
+    return address.strip()
+
+
+class AddressSource(Protocol):
+    async def addresses(self) -> list[str]: ...
+
+
+class StaticAddresses:
+    """A fixed list (e.g. ``cfg.rlmesh.reference.client_addresses()``)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self._addresses = [check_address(a) for a in addresses]
+        if not self._addresses:
+            raise ValueError("no addresses given")
+
+    async def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    def __repr__(self) -> str:
+        return f"StaticAddresses({self._addresses})"
+
+
+def reward_addresses_key(run_id: str) -> str:
+    return RunKeys(run_id).scoped(REWARD_ADDRESSES)
+
+
+class RedisAddresses:
+    """The list stored at ``key`` (a JSON array), cached for ``cache_s`` seconds."""
+
+    def __init__(self, redis: Any, key: str, *, fallback: Sequence[str] = (), cache_s: float = 0.5) -> None:
+        self.redis = redis
+        self.key = key
+        self.fallback = [check_address(a) for a in fallback]
+        self.cache_s = cache_s
+        self._cached: list[str] | None = None
+        self._read_at = float("-inf")
+
+    @classmethod
+    def for_reward(
+        cls, redis: Any, run_id: str, *, fallback: Sequence[str] = (), cache_s: float = 0.5
+    ) -> RedisAddresses:
+        return cls(redis, reward_addresses_key(run_id), fallback=fallback, cache_s=cache_s)
+
+    async def addresses(self) -> list[str]:
+        now = time.monotonic()
+        if self._cached is not None and now - self._read_at < self.cache_s:
+            return list(self._cached)
+        try:
+            raw = await self.redis.get(self.key)
+        except Exception as e:  # Redis down: keep serving what we know
+            log.warning("cannot read %s from Redis (%s); using the last known addresses", self.key, e)
+            return list(self._cached or self.fallback)
+        listed = _parse(raw, self.key)
+        if listed is None:
+            listed = self._cached if raw is not None and self._cached else self.fallback
+        self._cached, self._read_at = list(listed), now
+        return list(listed)
+
+    def __repr__(self) -> str:
+        return f"RedisAddresses({self.key!r}, fallback={self.fallback})"
+
+
+def _parse(raw: Any, key: str) -> list[str] | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        if not isinstance(value, list):
+            raise ValueError("not a JSON array")
+        return [check_address(a) for a in value] or None
+    except (ValueError, UnicodeDecodeError) as e:
+        log.warning("ignoring the address list at %s: %s", key, e)
+        return None
+
+
+async def set_addresses(redis: Any, key: str, addresses: Sequence[str]) -> list[str]:
+    """Stores the list at ``key`` (one atomic SET); an empty list deletes it (clients fall back)."""
+    checked = [check_address(a) for a in addresses]
+    if checked:
+        await redis.set(key, json.dumps(checked))
+    else:
+        await redis.delete(key)
+    return checked
+
+
+async def get_addresses(redis: Any, key: str) -> list[str] | None:
+    return _parse(await redis.get(key), key)
+
+
+async def set_reward_addresses(redis: Any, run_id: str, addresses: Sequence[str]) -> list[str]:
+    """Points every reward client of the run at ``addresses`` (they follow within ``cache_s``)."""
+    return await set_addresses(redis, reward_addresses_key(run_id), addresses)
+
+
+async def get_reward_addresses(redis: Any, run_id: str) -> list[str] | None:
+    """The run's reward address list in Redis, or None when none is set."""
+    return await get_addresses(redis, reward_addresses_key(run_id))

@@ -1,0 +1,87 @@
+"""Model-based reward: an HF ``AutoModelForSequenceClassification`` from a local path, batched.
+
+Each sample becomes one text — the reward model's chat template over ``[user: prompt, assistant:
+response]`` when its tokenizer has one, else prompt + response — tokenized with the reward model's
+own tokenizer, cut from the left to ``max_length`` tokens (the end of the response is what a reward
+model judges), right-padded, and scored in micro-batches; the score is logit 0 of the sequence head.
+fp32 on CPU, bf16 on GPU, under ``torch.no_grad``. Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class RewardModelScorer:
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_length: int | None = None,
+        micro_batch_size: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        override_config: dict[str, Any] | None = None,
+    ) -> None:
+        local = Path(path).expanduser()
+        self.path = str(local) if local.exists() else path
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = dtype or default_dtype(self.device)
+        self.max_length = max_length
+        self.micro_batch_size = micro_batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            self.path, dtype=self.dtype, trust_remote_code=trust_remote_code, **(override_config or {})
+        ).to(self.device)
+        self.model.eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self._lock = threading.Lock()  # one forward at a time
+
+    def format(self, prompt: str, response: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            return str(self.tokenizer.apply_chat_template(chat, tokenize=False))
+        return prompt + response
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        """One score per (prompt, response); may be NaN/inf if the model produces them."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        texts = [self.format(p, r) for p, r in zip(prompts, responses, strict=True)]
+        step = self.micro_batch_size or max(1, len(texts))
+        scores: list[float] = []
+        with self._lock:
+            for start in range(0, len(texts), step):
+                enc = self.tokenizer(
+                    texts[start : start + step],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=self.max_length is not None,
+                    max_length=self.max_length,
+                    # a chat template writes its own special tokens; plain text gets the tokenizer's
+                    add_special_tokens=not getattr(self.tokenizer, "chat_template", None),
+                ).to(self.device)
+                logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+                scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores
