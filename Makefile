@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # One intra-op thread per process: torch's default oversubscribes small machines (~17x slower).
 export OMP_NUM_THREADS ?= 1
+# DeepSpeed's CPU accelerator where there is no NVIDIA GPU.
+ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
+endif
 
 .PHONY: help venv redis-server demo test lint format docs protos bench bench-queue bench-algo clean
 

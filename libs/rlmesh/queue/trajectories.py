@@ -70,15 +70,21 @@ class TrajectoryCollector:
 
     async def commit(self, batch: CollectedBatch) -> None:
         """Marks the batch's uids used and acks its entries, atomically."""
-        if not batch.trajectories:
+        await self.commit_ids(batch.uids, batch.entry_ids)
+
+    async def commit_ids(self, uids: list[str], entry_ids: list[bytes]) -> None:
+        """Marks ``uids`` used and acks ``entry_ids``, atomically."""
+        if not uids and not entry_ids:
             return
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.sadd(self.used_uids_key, *batch.uids)
-            pipe.xack(self.queue.stream, self.queue.group, *batch.entry_ids)
-            pipe.xdel(self.queue.stream, *batch.entry_ids)
+            if uids:
+                pipe.sadd(self.used_uids_key, *uids)
+            if entry_ids:
+                pipe.xack(self.queue.stream, self.queue.group, *entry_ids)
+                pipe.xdel(self.queue.stream, *entry_ids)
             await pipe.execute()
         if self.queue.metrics:
-            self.queue.metrics.acked.labels(self.queue._label).inc(len(batch.entry_ids))
+            self.queue.metrics.acked.labels(self.queue._label).inc(len(entry_ids))
 
     async def used(self, uids: list[str]) -> list[bool]:
         return [bool(x) for x in await self.redis.smismember(self.used_uids_key, uids)] if uids else []

@@ -122,6 +122,7 @@ class SamplerLoop:
         engine_breaker: CircuitBreaker | None = None,
         can_claim: Callable[[], Awaitable[bool]] | None = None,
         registry: CollectorRegistry | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.prompts = prompts
         self.trajectories = trajectories
@@ -133,6 +134,8 @@ class SamplerLoop:
         self.reference_breaker = reference_breaker
         self.engine_breaker = engine_breaker or CircuitBreaker("engine")
         self.can_claim = can_claim
+        # SGLang runs with --skip-tokenizer-init and returns no text: rule-based rewards need it.
+        self.decode = decode
         self.metrics = SamplerMetrics(registry)
         self.policy_version = 0
         self.tasks_done = 0

@@ -119,7 +119,9 @@ class ProcessLauncher:
         child_env = {**os.environ, **(env or {})}
         child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        child_env.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports deepspeed when present
+        if shutil.which("nvidia-smi") is None:
+            # transformers imports deepspeed, which warns while probing for a GPU that is not there.
+            child_env.setdefault("DS_ACCELERATOR", "cpu")
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
                 list(argv),

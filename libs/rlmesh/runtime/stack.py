@@ -104,6 +104,12 @@ def run_stack(
             flush=True,
         )
         common = [*overrides, f"rlmesh.redis_url={redis.url}", f"rlmesh.run_id={run_id}"]
+        model_path = Path(cfg.actor_rollout_ref.model.path).expanduser()
+        if not model_path.exists():
+            model_path = _tiny_model(launcher.workdir / "tiny-model")
+            common.append(f"actor_rollout_ref.model.path={model_path}")
+            print(f"[rlmesh up] no model at {cfg.actor_rollout_ref.model.path}: built a tiny random Qwen2 at "
+                  f"{model_path} for this check", flush=True)
         started: list[ServiceInstance] = []
         try:
             for name in names:
@@ -140,6 +146,12 @@ def run_stack(
         print("[rlmesh up] stopping everything", flush=True)
     print("[rlmesh up] all processes stopped", flush=True)
     return 0
+
+
+def _tiny_model(out: Path) -> Path:
+    from rlmesh.models import build_tiny_model, build_tokenizer
+
+    return build_tiny_model(out, build_tokenizer(), hidden_size=64, num_layers=2)
 
 
 def _peer_addresses(started: Sequence[ServiceInstance]) -> list[str]:

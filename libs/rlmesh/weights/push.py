@@ -96,14 +96,38 @@ class WeightPusher:
         self.group_prefix = group_prefix
         self._generation = 0
 
+    def set_engines(self, clients: Sequence[EngineClient]) -> list[EngineClient]:
+        """Targets exactly these engines (by URL) from now on. A known healthy engine keeps its
+        group; a new one, or one that failed before and is listed again, gets a fresh link.
+        Returns the clients no longer used (the caller closes them)."""
+        by_url = {link.client.url: link for link in self.links}
+        links, unused = [], []
+        for client in clients:
+            link = by_url.pop(client.url, None)
+            if link is not None and not link.healthy:
+                self._drop_group(link)
+                unused.append(link.client)
+                link = None
+            if link is None:
+                link = EngineLink(client=client)
+            elif link.client is not client:
+                unused.append(client)
+            links.append(link)
+        for gone in by_url.values():
+            self._drop_group(gone)
+            unused.append(gone.client)
+        self.links = links
+        return unused
+
     @property
     def healthy_links(self) -> list[EngineLink]:
         return [link for link in self.links if link.healthy]
 
-    async def connect(self) -> None:
+    async def connect(self, only: set[str] | None = None) -> None:
         """Builds one group per healthy engine that has none; engines that fail are marked unhealthy."""
         failed: dict[str, str] = {}
-        await asyncio.gather(*(self._connect(link, failed) for link in self.healthy_links if link.pg is None))
+        todo = [link for link in self.healthy_links if link.pg is None and (only is None or link.client.url in only)]
+        await asyncio.gather(*(self._connect(link, failed) for link in todo))
         if failed:
             raise WeightPushError(failed)
 
@@ -136,13 +160,18 @@ class WeightPusher:
             own.add_done_callback(lambda t: t.exception() is None and destroy_process_group(t.result()))
 
     async def push(
-        self, named: NamedTensors, version: str | int, on_bucket: Callable[[int, int], None] | None = None
+        self,
+        named: NamedTensors,
+        version: str | int,
+        on_bucket: Callable[[int, int], None] | None = None,
+        only: set[str] | None = None,
     ) -> PushReport:
-        """Pushes every tensor to every healthy engine. Engines that fail are marked unhealthy and
-        listed in the report; raises ``WeightPushError`` only if no engine got the weights."""
-        await self.connect_or_mark()
+        """Pushes every tensor to every healthy engine (or those whose URL is in ``only``). Engines
+        that fail are marked unhealthy and listed in the report; raises ``WeightPushError`` only if
+        no engine got the weights."""
+        await self.connect_or_mark(only)
         start = time.perf_counter()
-        targets = self.healthy_links
+        targets = [link for link in self.healthy_links if only is None or link.client.url in only]
         failed: dict[str, str] = {}
         total = 0
         await self._bracket(targets, True, failed)
@@ -174,9 +203,9 @@ class WeightPusher:
             raise WeightPushError(failed)
         return report
 
-    async def connect_or_mark(self) -> None:
+    async def connect_or_mark(self, only: set[str] | None = None) -> None:
         try:
-            await self.connect()
+            await self.connect(only)
         except WeightPushError as e:
             log.error("%s", e)
 

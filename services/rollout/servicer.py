@@ -1,0 +1,179 @@
+"""gRPC ``rlmesh.v1.Rollout`` for one replica: direct generation, info, pause/resume, drain, and
+the weight-sync calls forwarded to its engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import torch
+
+from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.rollout.sampler import SamplerLoop, parse_version, sampling_dict
+from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
+from rlmesh.wire import torch_to_proto
+
+log = logging.getLogger("rlmesh.rollout")
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(
+        self,
+        *,
+        replica_id: str,
+        engine_kind: str,
+        engine: EngineClient,
+        sampler: SamplerLoop,
+        capacity: int,
+        sampling_defaults: dict,
+        on_drained: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.replica_id = replica_id
+        self.engine_kind = engine_kind
+        self.engine = engine
+        self.sampler = sampler
+        self.capacity = capacity
+        self.sampling_defaults = sampling_defaults
+        self.on_drained = on_drained
+        self.state = "serving"
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        if not request.inputs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateRequest.inputs is empty")
+        for i, item in enumerate(request.inputs):
+            if not item.prompt_ids:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest.inputs[{i}].prompt_ids is empty"
+                )
+        params = sampling_dict(request.sampling_params, self.sampling_defaults)
+        n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
+        params["n"] = n
+        try:
+            out = await self.engine.generate(
+                [list(i.prompt_ids) for i in request.inputs], params, return_logprob=request.return_logprob
+            )
+        except EngineError as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT if e.rejected else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
+        outputs = []
+        for k, o in enumerate(out):
+            meta = o["meta_info"]
+            outputs.append(
+                rollout_pb2.GenerateOutput(
+                    uid=request.inputs[k // n].uid,
+                    sample_index=k % n,
+                    output_ids=o["output_ids"],
+                    output_log_probs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
+                    finish_reason=str(meta["finish_reason"].get("type", "")),
+                    policy_version=parse_version(meta.get("weight_version")),
+                )
+            )
+        return rollout_pb2.GenerateResponse(outputs=outputs)
+
+    async def GetInfo(
+        self, request: common_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.RolloutInfo:
+        return rollout_pb2.RolloutInfo(
+            replica_id=self.replica_id,
+            engine=self.engine_kind,
+            engine_url=self.engine.url,
+            policy_version=self.sampler.policy_version,
+            state=self.current_state(),
+            running_requests=self.sampler.in_flight,
+            capacity=self.capacity,
+            tokens_per_s=self.sampler.tokens_per_s(),
+            tasks_done=self.sampler.tasks_done,
+        )
+
+    def current_state(self) -> str:
+        if self.state == "serving" and self.sampler.paused:
+            return "paused"
+        return self.state
+
+    async def Pause(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        self.sampler.pause()
+        return common_pb2.Ack(success=True, message="stopped claiming tasks; in-flight tasks finish")
+
+    async def Resume(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        if self.state == "draining":
+            return common_pb2.Ack(success=False, message="replica is draining")
+        self.sampler.resume()
+        return common_pb2.Ack(success=True, message="claiming tasks")
+
+    async def _forward(self, call: Awaitable[str], version: int | None = None) -> common_pb2.Ack:
+        try:
+            message = await call
+        except EngineError as e:
+            return common_pb2.Ack(success=False, message=str(e))
+        if version is not None:
+            self.sampler.policy_version = version
+        return common_pb2.Ack(success=True, message=message)
+
+    async def InitWeightsUpdateGroup(
+        self, request: rollout_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Ack:
+        return await self._forward(
+            self.engine.init_weights_update_group(
+                request.master_address,
+                request.master_port,
+                request.rank_offset,
+                request.world_size,
+                request.group_name or "weight_update_group",
+                request.backend or "gloo",
+            )
+        )
+
+    async def UpdateWeightsFromDistributed(
+        self, request: rollout_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Ack:
+        return await self._forward(
+            self.engine.update_weights_from_distributed(
+                [t.name for t in request.tensors],
+                [t.dtype for t in request.tensors],
+                [list(t.shape) for t in request.tensors],
+                request.group_name or "weight_update_group",
+                str(request.weight_version),
+                request.flush_cache,
+            ),
+            request.weight_version,
+        )
+
+    async def UpdateWeightsFromDisk(
+        self, request: rollout_pb2.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Ack:
+        return await self._forward(
+            self.engine.update_weights_from_disk(request.model_path, str(request.weight_version)),
+            request.weight_version,
+        )
+
+    async def DestroyWeightsUpdateGroup(
+        self, request: rollout_pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Ack:
+        return await self._forward(
+            self.engine.destroy_weights_update_group(request.group_name or "weight_update_group")
+        )
+
+    async def GetWeightsByName(
+        self, request: rollout_pb2.GetWeightsByNameRequest, context: grpc.aio.ServicerContext
+    ) -> tensor_pb2.Tensor:
+        try:
+            values = await self.engine.get_weights_by_name(request.name, request.truncate_size)
+        except EngineError as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT if e.rejected else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
+        return torch_to_proto(torch.tensor(values, dtype=torch.float32))
+
+    async def Drain(
+        self, request: rollout_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.DrainResponse:
+        self.state = "draining"
+        t0 = time.monotonic()
+        unfinished = await self.sampler.drain(request.timeout_s or 60.0)
+        await self.on_drained()
+        msg = f"drained in {time.monotonic() - t0:.1f} s; {unfinished} task(s) left for other replicas"
+        log.info(msg)
+        return rollout_pb2.DrainResponse(drained=unfinished == 0, unfinished=unfinished, message=msg)
