@@ -36,7 +36,7 @@ redis-server:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 
 demo: venv redis-server
-	$(BIN)/rlmesh up
+	$(BIN)/rlmesh demo $(DEMO_ARGS)
 
 test: venv redis-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider

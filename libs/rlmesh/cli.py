@@ -82,6 +82,24 @@ def cmd_engine(args: argparse.Namespace, rest: list[str]) -> int:
     return engine_main(rest)
 
 
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.demo import main as demo_main
+
+    return demo_main(rest)
+
+
+def cmd_sft(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.learner.sft import main as sft_main
+
+    return sft_main(rest)
+
+
+def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.learner.export import main as export_main
+
+    return export_main(rest)
+
+
 def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
     from rlmesh.wire.protogen import main as protogen_main
 
@@ -135,6 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="the embedded CPU engine: an HF model behind SGLang's HTTP API", add_help=False
     )
     p.set_defaults(func=cmd_engine, passthrough=True)
+
+    p = sub.add_parser(
+        "demo",
+        help="the CPU demo: a tiny model learns arithmetic with PPO, every role a process",
+        add_help=False,
+    )
+    p.set_defaults(func=cmd_demo, passthrough=True)
+
+    p = sub.add_parser("sft", help="supervised warm-up of a model on a verl-layout parquet", add_help=False)
+    p.set_defaults(func=cmd_sft, passthrough=True)
+
+    p = sub.add_parser(
+        "export", help="write the actor of a checkpoint as an HF directory (LoRA merged)", add_help=False
+    )
+    p.set_defaults(func=cmd_export, passthrough=True)
 
     p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
     p.set_defaults(func=cmd_protos, passthrough=True)

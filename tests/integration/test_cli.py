@@ -24,7 +24,19 @@ def rlmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
 def test_help_lists_the_subcommands():
     out = rlmesh("--help")
     assert out.returncode == 0
-    for command in ("serve", "up", "redis", "config", "health", "protos", "data", "engine"):
+    for command in (
+        "serve",
+        "up",
+        "redis",
+        "config",
+        "health",
+        "protos",
+        "data",
+        "engine",
+        "demo",
+        "sft",
+        "export",
+    ):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), f"{command} missing from --help"
 
 

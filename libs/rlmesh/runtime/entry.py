@@ -52,7 +52,7 @@ def service_main(
     section = getattr(cfg.rlmesh, name)
     configure_logging(name, cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
 
-    async def run() -> None:
+    async def run() -> int:
         service = GrpcService(
             name,
             host=section.host,
@@ -64,10 +64,10 @@ def service_main(
         )
         await build(service, cfg)
         await service.serve()
+        return service.exit_code
 
     try:
-        asyncio.run(run())
+        return asyncio.run(run())
     except Exception:
         log.exception("service failed")
         return 1
-    return 0

@@ -82,6 +82,8 @@ class GrpcService:
         self._stop_requested = asyncio.Event()
         self.port: int | None = None
         self.metrics_server: MetricsHttpServer | None = None
+        # What the process exits with after a graceful stop; a service whose work failed sets 1.
+        self.exit_code = 0
 
     @property
     def address(self) -> str:

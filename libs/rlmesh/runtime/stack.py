@@ -108,8 +108,11 @@ def run_stack(
         if not model_path.exists():
             model_path = _tiny_model(launcher.workdir / "tiny-model")
             common.append(f"actor_rollout_ref.model.path={model_path}")
-            print(f"[rlmesh up] no model at {cfg.actor_rollout_ref.model.path}: built a tiny random Qwen2 at "
-                  f"{model_path} for this check", flush=True)
+            print(
+                f"[rlmesh up] no model at {cfg.actor_rollout_ref.model.path}: built a tiny random Qwen2 at "
+                f"{model_path} for this check",
+                flush=True,
+            )
         started: list[ServiceInstance] = []
         try:
             for name in names:

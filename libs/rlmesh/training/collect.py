@@ -1,0 +1,161 @@
+"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once.
+
+Trajectories arrive in any order from any replica. They are grouped by ``group_uid`` until all
+``n`` samples of a group are in; a step takes ``batch_groups`` complete groups (first come,
+first served), and what arrives beyond that waits for the next step. Filters, each counted:
+
+- an older learner incarnation's group (see feeder): discarded;
+- a group sampled with weights more than ``max_staleness`` versions old: discarded, and its
+  prompt re-enqueued once;
+- an invalid sample (error set, non-finite score, bad lengths): dropped from its group, which
+  still completes.
+
+Nothing is acked here: ``commit`` acks a step's entries (and everything discarded) only after
+the step was committed, so a learner crash replays them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
+from rlmesh.training.feeder import incarnation_of
+from rlmesh.v1 import trajectory_pb2
+
+log = logging.getLogger("rlmesh.learner")
+
+Trajectory = trajectory_pb2.Trajectory
+
+
+@dataclass
+class Group:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    entry_ids: list[bytes] = field(default_factory=list)
+    dropped: int = 0
+
+    def complete(self, n: int) -> bool:
+        return len(self.trajectories) + self.dropped >= n
+
+
+@dataclass
+class StepBatch:
+    trajectories: list[Trajectory]
+    entry_ids: list[bytes]  # every entry this step consumed, discarded ones included
+    uids: list[str]
+    counts: dict[str, int]
+    wait_s: float
+
+
+class BatchCollector:
+    def __init__(
+        self,
+        collector: TrajectoryCollector,
+        *,
+        n: int,
+        incarnation: int,
+        max_staleness: int,
+        validate: Callable[[Trajectory], str | None],
+    ) -> None:
+        self.collector = collector
+        self.n = n
+        self.incarnation = incarnation
+        self.max_staleness = max_staleness
+        self.validate = validate
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self._discarded_ids: list[bytes] = []
+        self._discarded_uids: list[str] = []
+        self.counts = {"stale": 0, "old_incarnation": 0, "invalid": 0, "duplicates": 0}
+        self._held: set[str] = set()  # uids claimed and not yet committed: a second copy is redundant
+
+    def _add(
+        self, traj: Trajectory, entry_id: bytes, version: int, stale_groups: dict[str, Trajectory]
+    ) -> None:
+        if incarnation_of(traj.group_uid) != self.incarnation:
+            self.counts["old_incarnation"] += 1
+            self._discard(traj, entry_id)
+            return
+        if traj.policy_version < version - self.max_staleness:
+            self.counts["stale"] += 1
+            self._discard(traj, entry_id)
+            stale_groups.setdefault(traj.group_uid, traj)
+            earlier = self.groups.pop(traj.group_uid, None)
+            if earlier is not None:  # samples of the group that arrived before count as discarded too
+                self._discarded_ids += earlier.entry_ids
+                self._discarded_uids += [t.uid for t in earlier.trajectories]
+            return
+        if traj.group_uid in stale_groups:
+            self._discard(traj, entry_id)
+            return
+        group = self.groups.setdefault(traj.group_uid, Group())
+        group.entry_ids.append(entry_id)
+        reason = self.validate(traj)
+        if reason is not None:
+            self.counts["invalid"] += 1
+            group.dropped += 1
+            self._discarded_uids.append(traj.uid)
+            log.error("dropping trajectory %s: %s", traj.uid, reason)
+            return
+        group.trajectories.append(traj)
+
+    def _discard(self, traj: Trajectory, entry_id: bytes) -> None:
+        self._discarded_ids.append(entry_id)
+        self._discarded_uids.append(traj.uid)
+
+    async def collect(
+        self,
+        batch_groups: int,
+        version: int,
+        timeout_s: float,
+        requeue: Callable[[Trajectory], Awaitable[None]],
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> StepBatch:
+        """Waits until ``batch_groups`` complete groups are in (or ``timeout_s``: TimeoutError)."""
+        start = time.monotonic()
+        while sum(g.complete(self.n) for g in self.groups.values()) < batch_groups:
+            if time.monotonic() - start > timeout_s:
+                have = sum(g.complete(self.n) for g in self.groups.values())
+                raise TimeoutError(
+                    f"only {have} of {batch_groups} prompt groups arrived within {timeout_s:.0f} s; "
+                    "are rollout replicas running? (rlmesh ps / the replica registry)"
+                )
+            claimed = CollectedBatch()
+            await self.collector.collect(claimed, want=batch_groups * self.n, block_ms=200)
+            self.counts["duplicates"] += claimed.duplicates
+            stale_groups: dict[str, Trajectory] = {}
+            redundant = []
+            for traj, eid in zip(claimed.trajectories, claimed.entry_ids, strict=True):
+                if traj.uid in self._held:
+                    redundant.append(eid)
+                    continue
+                self._held.add(traj.uid)
+                self._add(traj, eid, version, stale_groups)
+            if redundant:
+                self.counts["duplicates"] += len(redundant)
+                await self.collector.queue.ack(redundant)
+            for traj in stale_groups.values():
+                await requeue(traj)
+            if on_progress:
+                on_progress(sum(g.complete(self.n) for g in self.groups.values()), batch_groups)
+        taken = [gid for gid, g in self.groups.items() if g.complete(self.n)][:batch_groups]
+        trajs, ids = [], list(self._discarded_ids)
+        uids = list(self._discarded_uids)
+        for gid in taken:
+            group = self.groups.pop(gid)
+            trajs += group.trajectories
+            ids += group.entry_ids
+            uids += [t.uid for t in group.trajectories]
+        self._discarded_ids, self._discarded_uids = [], []
+        counts = dict(self.counts)
+        self.counts = dict.fromkeys(self.counts, 0)
+        return StepBatch(
+            trajectories=trajs, entry_ids=ids, uids=uids, counts=counts, wait_s=time.monotonic() - start
+        )
+
+    async def commit(self, batch: StepBatch) -> None:
+        """Marks the step's uids used and acks its entries, in one transaction."""
+        await self.collector.commit_ids(batch.uids, batch.entry_ids)
+        self._held.difference_update(batch.uids)

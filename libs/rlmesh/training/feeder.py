@@ -1,0 +1,108 @@
+"""Prompt tasks for upcoming steps, never more than ``1 + max_staleness`` batches ahead.
+
+Group uids carry the learner's incarnation (a counter in Redis bumped at every learner start):
+after a restart from a checkpoint, trajectories of tasks enqueued by the previous incarnation
+are recognised and discarded, because the restored data cursor enqueues those prompts again.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from rlmesh.data import PromptItem
+from rlmesh.queue.streams import StreamQueue
+from rlmesh.v1 import common_pb2, trajectory_pb2
+
+
+def group_uid(incarnation: int, step: int, item_index: int) -> str:
+    return f"i{incarnation}:s{step}:d{item_index}:{uuid.uuid4().hex[:8]}"
+
+
+def incarnation_of(group: str) -> int:
+    """The incarnation encoded in a group uid, or -1 for a uid rlmesh did not make."""
+    head = group.split(":", 1)[0]
+    return int(head[1:]) if head.startswith("i") and head[1:].isdigit() else -1
+
+
+class PromptFeeder:
+    def __init__(
+        self,
+        queue: StreamQueue[trajectory_pb2.PromptTask],
+        dataset: Sequence[PromptItem],
+        sampler: Any,
+        *,
+        batch_size: int,
+        n: int,
+        incarnation: int,
+        sampling: common_pb2.SamplingParams | None = None,
+    ) -> None:
+        self.queue = queue
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.n = n
+        self.incarnation = incarnation
+        self.sampling = sampling or common_pb2.SamplingParams()
+        self.enqueued: dict[int, list[str]] = {}  # step -> group uids
+        self._cursor_before: dict[int, dict[str, Any]] = {}
+
+    def make_task(self, item: PromptItem, step: int, version: int) -> trajectory_pb2.PromptTask:
+        import json
+
+        gid = group_uid(self.incarnation, step, item.index)
+        return trajectory_pb2.PromptTask(
+            uid=gid,
+            group_uid=gid,
+            sample_offset=0,
+            n=self.n,
+            prompt_ids=item.prompt_ids,
+            prompt_text=item.prompt_text,
+            ground_truth=str(item.ground_truth),
+            data_source=item.data_source,
+            extra_info_json=json.dumps(item.extra_info, default=str),
+            policy_version=version,
+            sampling_params=self.sampling,
+            step=step,
+            enqueued_unix_ms=int(time.time() * 1000),
+        )
+
+    async def ensure(self, step: int, version: int, max_staleness: int) -> list[int]:
+        """Enqueues the batches of steps ``step .. step + max_staleness`` not enqueued yet; returns them."""
+        added = []
+        for s in range(step, step + max_staleness + 1):
+            if s in self.enqueued:
+                continue
+            self._cursor_before[s] = copy.deepcopy(self.sampler.state_dict())
+            items = [self.dataset[i] for i in self.sampler.next_indices(self.batch_size)]
+            tasks = [self.make_task(item, s, version) for item in items]
+            await self.queue.put(tasks)
+            self.enqueued[s] = [t.group_uid for t in tasks]
+            added.append(s)
+        return added
+
+    async def requeue(self, task: trajectory_pb2.PromptTask, step: int, version: int) -> str:
+        """Enqueues a prompt again under a new group uid (its samples came back too stale)."""
+        gid = group_uid(self.incarnation, step, -1)
+        fresh = trajectory_pb2.PromptTask()
+        fresh.CopyFrom(task)
+        fresh.uid = fresh.group_uid = gid
+        fresh.step, fresh.policy_version = step, version
+        fresh.enqueued_unix_ms = int(time.time() * 1000)
+        await self.queue.put([fresh])
+        return gid
+
+    def cursor_after(self, step: int) -> dict[str, Any]:
+        """The data cursor as it was once ``step``'s prompts were taken: what a checkpoint after
+        ``step`` must restore, even if later steps were already enqueued."""
+        if step + 1 in self._cursor_before:
+            return self._cursor_before[step + 1]
+        return copy.deepcopy(self.sampler.state_dict())
+
+    def forget_before(self, step: int) -> None:
+        for s in [s for s in self.enqueued if s < step]:
+            self.enqueued.pop(s, None)
+            self._cursor_before.pop(s, None)

@@ -1,0 +1,550 @@
+"""The learner's run loop (rank 0 drives, other ranks follow): one PPO step at a time.
+
+    ensure prompt tasks for steps step..step+max_staleness are queued
+    collect train_batch_size complete groups (fresh, valid, each trajectory once)
+    train_step on every rank (the trainer shards the batch)         -> verl's metrics
+    push the new weights to every live replica, bump the version    -> replicas generate with it
+    checkpoint every save_freq steps, then commit the step (ack its trajectories)
+    validate every test_freq steps
+
+``max_staleness = 0`` is verl's synchronous PPO: step k's prompts are queued only after version
+k was pushed, so every trajectory of step k comes from the weights of step k.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+import torch
+import torch.distributed as dist
+
+from rlmesh.algo import get_kl_controller
+from rlmesh.config import RLMeshConfig
+from rlmesh.data import PromptSampler, RLHFDataset
+from rlmesh.engine.client import EngineClient
+from rlmesh.queue import (
+    ReplicaRegistry,
+    RunKeys,
+    TrajectoryCollector,
+    connect,
+    prompt_queue,
+    trajectory_queue,
+)
+from rlmesh.reward.client import RewardClient
+from rlmesh.rollout.policy import publish_policy
+from rlmesh.training.collect import BatchCollector, StepBatch
+from rlmesh.training.feeder import PromptFeeder
+from rlmesh.training.sinks import MetricsSinks
+from rlmesh.training.validation import val_sampling, validate
+from rlmesh.v1 import common_pb2, trajectory_pb2
+from rlmesh.weights.push import WeightPusher
+
+log = logging.getLogger("rlmesh.learner")
+
+PHASES = (
+    "STARTING",
+    "VALIDATING",
+    "WAITING_FOR_ROLLOUTS",
+    "TRAINING",
+    "PUSHING_WEIGHTS",
+    "CHECKPOINTING",
+    "PAUSED",
+    "STOPPING",
+    "FINISHED",
+    "FAILED",
+)
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    total_steps: int = 0
+    version: int = 0
+    phase: str = "STARTING"
+    paused: bool = False
+    stop_requested: bool = False
+    stop_checkpoint: bool = True
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    last_checkpoint: str = ""
+    live_replicas: int = 0
+    message: str = ""
+    pending_hparams: dict[str, float] = field(default_factory=dict)
+    checkpoint_requests: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
+
+
+def total_training_steps(cfg: RLMeshConfig, dataset_len: int) -> int:
+    """verl: trainer.total_training_steps, else total_epochs x batches per epoch."""
+    if cfg.trainer.total_training_steps:
+        return int(cfg.trainer.total_training_steps)
+    return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
+
+
+class Followers:
+    """Rank 0 tells the other ranks which collective to run next (broadcast on the default group)."""
+
+    def __init__(self) -> None:
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        if self.world > 1:
+            dist.broadcast_object_list([command], src=0)
+
+    @staticmethod
+    def receive() -> tuple[Any, ...]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def follow(trainer: Any) -> None:
+    """Ranks > 0: run the collectives rank 0 announces, until it says stop."""
+    while True:
+        command = Followers.receive()
+        kind = command[0]
+        if kind == "stop":
+            return
+        if kind == "train":
+            trainer.update_hyperparams(**command[3])
+            trainer.train_step(command[1], command[2])
+        elif kind == "push":
+            for _ in trainer.named_weights_for_push(command[1]):
+                pass
+        elif kind == "save":
+            trainer.save_checkpoint(command[1], command[2])
+        elif kind == "load":
+            trainer.load_checkpoint(command[1])
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        cfg: RLMeshConfig,
+        make_trainer: Callable[[RLMeshConfig, int], Any],
+        *,
+        registry: Any = None,
+        progress: Callable[[str], None] | None = None,
+        follower: bool = False,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.state = LoopState()
+        self.keys = RunKeys(cfg.rlmesh.run_id or "default")
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path())
+        self.train_set = RLHFDataset.from_config(cfg.data, self.tokenizer, split="train")
+        self.val_set = (
+            RLHFDataset.from_config(cfg.data, self.tokenizer, split="val") if cfg.data.val_files else None
+        )
+        self.sampler = PromptSampler.from_config(cfg.data, self.train_set)
+        self.state.total_steps = total_training_steps(cfg, len(self.train_set))
+        self.trainer = make_trainer(cfg, self.state.total_steps)
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
+        self.followers = Followers()
+        self.registry_metrics = registry
+        self.progress = progress or (lambda msg: log.info(msg))
+        out_dir = Path(cfg.trainer.default_local_dir)
+        self.checkpoint_root = out_dir
+        self.sinks = MetricsSinks(
+            [] if follower else cfg.trainer.logger,
+            jsonl_path=None if follower else out_dir / "metrics.jsonl",
+            registry=registry,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+        )
+        self.used_uids: set[str] = set()
+        self._redis: aioredis.Redis | None = None
+
+    # ----- setup -----
+    async def _connect(self) -> None:
+        cfg = self.cfg
+        q = cfg.rlmesh.queue
+        self._redis = redis = connect(cfg.rlmesh.redis_url)
+        self.incarnation = int(await redis.incr(self.keys.scoped("learner_incarnation")))
+        prompts = prompt_queue(
+            redis,
+            self.keys,
+            "learner",
+            maxlen=q.prompt_stream_maxlen,
+            max_deliveries=q.max_deliveries,
+            claim_idle_ms=q.claim_idle_ms,
+        )
+        await prompts.ensure_group()
+        # Tasks an earlier incarnation queued are regenerated from the restored cursor.
+        await redis.xtrim(self.keys.prompts, maxlen=0)
+        trajs = trajectory_queue(
+            redis,
+            self.keys,
+            "learner-0",
+            maxlen=q.trajectory_stream_maxlen,
+            max_deliveries=q.max_deliveries,
+            claim_idle_ms=q.claim_idle_ms,
+        )
+        await trajs.ensure_group()
+        rollout = cfg.actor_rollout_ref.rollout
+        sampling = common_pb2.SamplingParams(
+            max_new_tokens=rollout.response_length,
+            temperature=rollout.temperature if rollout.do_sample else 0.0,
+            top_p=rollout.top_p,
+        )
+        if rollout.top_k > 0:
+            sampling.top_k = rollout.top_k
+        self.feeder = PromptFeeder(
+            prompts,
+            self.train_set,
+            self.sampler,
+            batch_size=cfg.data.train_batch_size,
+            n=rollout.n,
+            incarnation=self.incarnation,
+            sampling=sampling,
+        )
+        from rlmesh.learner import validate_trajectory
+
+        self.collector = BatchCollector(
+            TrajectoryCollector(trajs, self.keys.used_uids),
+            n=rollout.n,
+            incarnation=self.incarnation,
+            max_staleness=cfg.rlmesh.max_staleness,
+            validate=validate_trajectory,
+        )
+        self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)
+        ws = cfg.rlmesh.weight_sync
+        backend = ws.backend if ws.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        self.pusher = WeightPusher(
+            [],
+            backend=backend,
+            master_address=ws.master_address,
+            timeout_s=ws.timeout_s,
+            bucket_bytes=ws.bucket_size_mb << 20,
+        )
+        self.reward = RewardClient.from_config(cfg, redis=redis)
+
+    def _resume(self) -> None:
+        from rlmesh.learner import latest_checkpoint
+
+        mode = self.cfg.trainer.resume_mode
+        path = None
+        if mode == "auto":
+            path = latest_checkpoint(str(self.checkpoint_root))
+        elif mode == "resume_path":
+            path = self.cfg.trainer.resume_from_path
+        if not path:
+            self.progress("starting fresh (no checkpoint to resume)")
+            return
+        self.state.phase = "STARTING"
+        self.progress(f"resuming from {path}")
+        self._collective("load", path)
+        extra = self._loaded_extra
+        self.state.step = int(extra["step"])
+        self.state.version = int(extra["version"])
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        self.sampler.load_state_dict(extra["data_cursor"])
+        self.used_uids = set(extra.get("used_uids", []))
+        self.state.last_checkpoint = path
+
+    # ----- collectives: rank 0 announces, then runs its own part -----
+    def _collective(self, kind: str, *args: Any) -> Any:
+        if kind == "train":
+            batch, hparams = args
+            self.followers.send(("train", batch, self.kl_ctrl, hparams))
+            self.trainer.update_hyperparams(**hparams)
+            return self.trainer.train_step(batch, self.kl_ctrl)
+        if kind == "save":
+            path, extra = args
+            self.followers.send(("save", path, extra))
+            return self.trainer.save_checkpoint(path, extra)
+        if kind == "load":
+            (path,) = args
+            self.followers.send(("load", path))
+            self._loaded_extra = self.trainer.load_checkpoint(path)
+            return self._loaded_extra
+        raise ValueError(kind)
+
+    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        bucket_bytes = self.cfg.rlmesh.weight_sync.bucket_size_mb << 20
+        self.followers.send(("push", bucket_bytes))
+        for bucket in self.trainer.named_weights_for_push(bucket_bytes):
+            yield from bucket
+
+    # ----- weight sync -----
+    async def _live_engines(self) -> list[trajectory_pb2.ReplicaRegistration]:
+        """Live replicas from the registry; the pusher targets exactly their engines."""
+        live = [r for r in await self.replicas.live() if r.state != "draining"]
+        self.state.live_replicas = len(live)
+        timeout = self.cfg.rlmesh.weight_sync.timeout_s
+        known = {link.client.url: link.client for link in self.pusher.links}
+        clients = [
+            known.get(r.engine_url.rstrip("/"))
+            or EngineClient(r.engine_url, name=r.replica_id, timeout_s=timeout)
+            for r in live
+        ]
+        for unused in self.pusher.set_engines(clients):
+            await unused.aclose()
+        return live
+
+    async def push_weights(self, only_behind: bool = False) -> float:
+        """Pushes the current weights as ``state.version``; returns seconds. ``only_behind`` pushes
+        only to replicas reporting an older version (one that joined while we wait for a batch)."""
+        live = await self._live_engines()
+        only = None
+        if only_behind:
+            only = {r.engine_url.rstrip("/") for r in live if r.policy_version < self.state.version}
+            if not only:
+                return 0.0
+        t0 = time.monotonic()
+        version = self.state.version
+        if self.cfg.rlmesh.weight_sync.transport == "disk":
+            path = await asyncio.to_thread(self._export_snapshot, version)
+            clients = [
+                link.client for link in self.pusher.healthy_links if only is None or link.client.url in only
+            ]
+            results = await asyncio.gather(
+                *(c.update_weights_from_disk(path, str(version)) for c in clients), return_exceptions=True
+            )
+            for c, r in zip(clients, results, strict=True):
+                if isinstance(r, BaseException):
+                    log.error("replica %s failed to load %s: %s", c.name, path, r)
+            await publish_policy(self._redis, self.keys, version, path)
+        else:
+            report = await self.pusher.push(self._weights(), version, only=only)
+            for name, why in report.failed.items():
+                log.error("replica %s dropped from this push: %s", name, why)
+            await publish_policy(self._redis, self.keys, version)
+        return time.monotonic() - t0
+
+    def _export_snapshot(self, version: int) -> str:
+        root = Path(self.cfg.rlmesh.weight_sync.disk_dir or self.checkpoint_root / "weights")
+        path = root / f"v{version}"
+        self.trainer.export_hf(str(path), None)
+        return str(path)
+
+    # ----- one step -----
+    async def _collect(self, step: int) -> StepBatch:
+        cfg = self.cfg
+
+        async def requeue(traj: trajectory_pb2.Trajectory) -> None:
+            task = trajectory_pb2.PromptTask(
+                prompt_ids=traj.prompt_ids,
+                ground_truth=traj.ground_truth,
+                data_source=traj.data_source,
+                n=cfg.actor_rollout_ref.rollout.n,
+            )
+            await self.feeder.requeue(task, step, self.state.version)
+
+        last_sync = time.monotonic()
+
+        def progress(have: int, want: int) -> None:
+            nonlocal last_sync
+            self.state.message = f"step {step}: {have}/{want} prompt groups collected"
+
+        while True:
+            try:
+                return await self.collector.collect(
+                    cfg.data.train_batch_size,
+                    self.state.version,
+                    timeout_s=5.0,
+                    requeue=requeue,
+                    on_progress=progress,
+                )
+            except TimeoutError:
+                # Nothing complete yet: a replica may have joined behind our version; bring it up.
+                if time.monotonic() - last_sync > 5:
+                    await self.push_weights(only_behind=True)
+                    last_sync = time.monotonic()
+                if self.state.stop_requested:
+                    raise
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        await self._connect()
+        self._resume()
+        self.state.phase = "PUSHING_WEIGHTS"
+        self.progress(f"run {self.keys.run_id}: {self.state.total_steps} steps, waiting for rollout replicas")
+        await self._wait_for_replicas()
+        await self.push_weights()
+        if cfg.trainer.val_before_train and self.val_set is not None and self.state.step == 0:
+            await self._validate(0)
+        try:
+            while self.state.step < self.state.total_steps and not self.state.stop_requested:
+                await self._hold_while_paused()
+                await self._step()
+        finally:
+            if self.state.stop_requested and self.state.stop_checkpoint and self.state.step > 0:
+                await self._checkpoint(self.state.step, final=True)
+            self.followers.send(("stop",))
+            self.state.phase = "FINISHED" if not self.state.stop_requested else "STOPPING"
+            self.sinks.close()
+            await self.reward.close()
+            await self.pusher.close()
+            if self._redis is not None:
+                await self._redis.aclose()
+
+    async def _wait_for_replicas(self) -> None:
+        while not await self._live_engines():
+            self.state.message = "no rollout replica registered yet"
+            if self.state.stop_requested:
+                return
+            await asyncio.sleep(0.5)
+
+    async def _hold_while_paused(self) -> None:
+        while self.state.paused and not self.state.stop_requested:
+            self.state.phase = "PAUSED"
+            if self.state.checkpoint_requests and self.state.step > 0:
+                await self._checkpoint(self.state.step)
+                self.state.phase = "PAUSED"
+            await asyncio.sleep(0.2)
+
+    def current_hparams(self) -> dict[str, float]:
+        """The values in force now (pending updates included), by short name."""
+        cfg = self.cfg
+        values = {
+            "kl_coef": float(self.kl_ctrl.value),
+            "lr": float(getattr(self.trainer, "current_lr", lambda: cfg.actor_rollout_ref.actor.optim.lr)()),
+            "entropy_coeff": float(
+                getattr(self.trainer, "entropy_coeff", cfg.actor_rollout_ref.actor.entropy_coeff)
+            ),
+            "temperature": float(
+                self.feeder.sampling.temperature
+                if hasattr(self, "feeder")
+                else cfg.actor_rollout_ref.rollout.temperature
+            ),
+        }
+        values.update(self.state.pending_hparams)
+        return values
+
+    async def _step(self) -> None:
+        cfg, st = self.cfg, self.state
+        step = st.step + 1
+        t_step = time.monotonic()
+        st.phase = "WAITING_FOR_ROLLOUTS"
+        await self.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness)
+        t0 = time.monotonic()
+        collected = await self._collect(step)
+        t_gen = time.monotonic() - t0
+        from rlmesh.learner import build_batch
+
+        st.phase = "TRAINING"
+        batch = build_batch(collected.trajectories, self.tokenizer.pad_token_id)
+        hparams, st.pending_hparams = st.pending_hparams, {}
+        if "kl_coef" in hparams:
+            self.kl_ctrl.value = hparams.pop("kl_coef")
+        if "temperature" in hparams:  # sampling of the prompts queued from now on
+            self.feeder.sampling.temperature = hparams.pop("temperature")
+        metrics = await asyncio.to_thread(self._collective, "train", batch, hparams)
+        st.version += 1
+        st.phase = "PUSHING_WEIGHTS"
+        t_push = await self.push_weights()
+        is_last = step >= st.total_steps
+        if (
+            cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or is_last)
+        ) or st.checkpoint_requests:
+            await self._checkpoint(step)
+        await self.collector.commit(collected)
+        self.used_uids.update(collected.uids)
+        self.feeder.forget_before(step)
+        response_tokens = sum(len(t.response_ids) for t in collected.trajectories)
+        tokens = response_tokens + sum(len(t.prompt_ids) for t in collected.trajectories)
+        step_s = time.monotonic() - t_step
+        metrics.update(
+            {
+                "timing_s/gen": t_gen,
+                "timing_s/push_weights": t_push,
+                "timing_s/step": step_s,
+                "perf/throughput": tokens / max(step_s, 1e-9),
+                "training/global_step": step,
+                "training/tokens": tokens,
+                "training/response_tokens": response_tokens,
+                "training/policy_version": st.version,
+                "training/epoch": self.sampler.epoch,
+                **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
+                **_rollout_timings(collected.trajectories),
+            }
+        )
+        if (
+            self.val_set is not None
+            and cfg.trainer.test_freq > 0
+            and (step % cfg.trainer.test_freq == 0 or is_last)
+        ):
+            metrics.update(await self._validate(step))
+        st.last_metrics = metrics
+        st.step = step  # last: GetStatus then shows this step with its own metrics
+        self.sinks.log(step, metrics)
+
+    async def _validate(self, step: int) -> dict[str, float]:
+        assert self.val_set is not None
+        prev, self.state.phase = self.state.phase, "VALIDATING"
+        live = await self._live_engines()
+        rollout = self.cfg.actor_rollout_ref.rollout
+        metrics = await validate(
+            self.val_set.items,
+            replicas=[r.grpc_address for r in live],
+            score=self.reward.score,
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            sampling=val_sampling(rollout.val_kwargs, rollout.response_length),
+            batch_size=self.cfg.data.val_batch_size or 64,
+            token=self.cfg.rlmesh.auth_token,
+        )
+        self.state.phase = prev
+        if step == 0:
+            self.sinks.log(0, metrics)
+        self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}")
+        return metrics
+
+    async def _checkpoint(self, step: int, final: bool = False) -> str:
+        self.state.phase = "CHECKPOINTING"
+        path = str(self.checkpoint_root / f"global_step_{step}")
+        extra = {
+            "step": step,
+            "version": self.state.version,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "data_cursor": self.feeder.cursor_after(step),
+            "used_uids": sorted(self.used_uids),
+            "run_id": self.keys.run_id,
+        }
+        await asyncio.to_thread(
+            self._collective, "save", path, json.loads(json.dumps(extra, default=_jsonable))
+        )
+        self.state.last_checkpoint = path
+        for _, fut in self.state.checkpoint_requests:
+            if not fut.done():
+                fut.set_result(path)
+        self.state.checkpoint_requests.clear()
+        return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, set):
+        return sorted(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint")
+
+
+def _rollout_timings(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]:
+    if not trajs:
+        return {}
+    n = len(trajs)
+    return {
+        "rollout/generate_s/mean": sum(t.timings.generate_s for t in trajs) / n,
+        "rollout/reward_s/mean": sum(t.timings.reward_s for t in trajs) / n,
+        "rollout/reference_s/mean": sum(t.timings.reference_s for t in trajs) / n,
+        "rollout/queue_wait_s/mean": sum(t.timings.queue_wait_s for t in trajs) / n,
+    }
+
+
+def learner_env_defaults() -> None:
+    """Single-process DeepSpeed needs the env a launcher would set (deepspeed-cpu notes)."""
+    from rlmesh.runtime.launcher import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)

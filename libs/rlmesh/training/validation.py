@@ -1,0 +1,99 @@
+"""Validation: generate for ``data.val_files`` through the rollout replicas (``Rollout.Generate``,
+greedy by default from ``rollout.val_kwargs``), score with the reward service, report
+``val/score`` overall and per data source."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from rlmesh.data import PromptItem
+from rlmesh.runtime.auth import client_auth_interceptors
+from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger("rlmesh.learner")
+
+
+def val_sampling(val_kwargs: Any, max_new_tokens: int) -> common_pb2.SamplingParams:
+    greedy = not val_kwargs.do_sample or val_kwargs.temperature == 0
+    params = common_pb2.SamplingParams(
+        max_new_tokens=max_new_tokens,
+        n=val_kwargs.n,
+        temperature=0.0 if greedy else val_kwargs.temperature,
+        top_p=val_kwargs.top_p,
+    )
+    if val_kwargs.top_k > 0:
+        params.top_k = val_kwargs.top_k
+    return params
+
+
+async def validate(
+    items: Sequence[PromptItem],
+    *,
+    replicas: Sequence[str],
+    score: Callable[[list[reward_pb2.RewardSample]], Any],
+    decode: Callable[[list[int]], str],
+    sampling: common_pb2.SamplingParams,
+    batch_size: int = 64,
+    token: str | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, float]:
+    if not replicas:
+        raise RuntimeError("validation needs at least one live rollout replica")
+    channels = [grpc.aio.insecure_channel(a, interceptors=client_auth_interceptors(token)) for a in replicas]
+    stubs = itertools.cycle([rollout_pb2_grpc.RolloutStub(c) for c in channels])
+    scores: dict[str, list[float]] = defaultdict(list)
+    lengths: list[int] = []
+
+    async def run_chunk(chunk: Sequence[PromptItem], stub: rollout_pb2_grpc.RolloutStub) -> None:
+        reply = await stub.Generate(
+            rollout_pb2.GenerateRequest(
+                inputs=[
+                    rollout_pb2.GenerateInput(uid=str(it.index), prompt_ids=it.prompt_ids) for it in chunk
+                ],
+                sampling_params=sampling,
+                return_logprob=False,
+            ),
+            timeout=timeout_s,
+        )
+        by_index = {str(it.index): it for it in chunk}
+        samples = []
+        for out in reply.outputs:
+            item = by_index[out.uid]
+            lengths.append(len(out.output_ids))
+            samples.append(
+                reward_pb2.RewardSample(
+                    uid=f"val-{out.uid}-{out.sample_index}",
+                    prompt_text=item.prompt_text,
+                    prompt_ids=item.prompt_ids,
+                    response_text=decode(list(out.output_ids)),
+                    response_ids=out.output_ids,
+                    ground_truth=str(item.ground_truth),
+                    data_source=item.data_source,
+                )
+            )
+        results = await score(samples)
+        for sample, result in zip(samples, results, strict=True):
+            value = 0.0 if result.HasField("error") and result.error.code else result.score
+            scores[sample.data_source].append(value)
+
+    try:
+        chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+        await asyncio.gather(*(run_chunk(c, next(stubs)) for c in chunks))
+    finally:
+        for c in channels:
+            await c.close()
+    everything = [s for v in scores.values() for s in v]
+    metrics = {
+        "val/score": sum(everything) / max(1, len(everything)),
+        "val/response_length/mean": sum(lengths) / max(1, len(lengths)),
+    }
+    for source, values in scores.items():
+        metrics[f"val/score/{source}"] = sum(values) / len(values)
+    return metrics

@@ -1,0 +1,158 @@
+"""Batch collection for a learner step against a real Redis."""
+
+import math
+import uuid
+
+import pytest
+
+from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.training.collect import BatchCollector
+from rlmesh.training.feeder import PromptFeeder, group_uid, incarnation_of
+from rlmesh.v1 import trajectory_pb2
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    with ProcessLauncher(tmp_path_factory.mktemp("r")) as launcher:
+        yield launcher.start_redis().url
+
+
+def validate(t):
+    if t.HasField("error") and t.error.code:
+        return f"error: {t.error.message}"
+    if not math.isfinite(t.score):
+        return f"score {t.score} is not finite"
+    return None
+
+
+def group(gid, n, version=1, score=1.0):
+    return [
+        trajectory_pb2.Trajectory(
+            uid=f"{gid}/{i}",
+            group_uid=gid,
+            response_ids=[1, 2],
+            policy_version=version,
+            score=score,
+            prompt_ids=[7],
+        )
+        for i in range(n)
+    ]
+
+
+async def setup(redis_url, incarnation=3, max_staleness=0):
+    redis = connect(redis_url)
+    keys = RunKeys(f"c-{uuid.uuid4().hex[:6]}")
+    producer = trajectory_queue(redis, keys, "replica")
+    learner = trajectory_queue(redis, keys, "learner-0")
+    await learner.ensure_group()
+    collector = BatchCollector(
+        TrajectoryCollector(learner, keys.used_uids),
+        n=2,
+        incarnation=incarnation,
+        max_staleness=max_staleness,
+        validate=validate,
+    )
+    return redis, keys, producer, learner, collector
+
+
+async def no_requeue(_t):
+    raise AssertionError("nothing should be re-enqueued")
+
+
+def test_group_uids_carry_the_incarnation():
+    gid = group_uid(7, 3, 12)
+    assert incarnation_of(gid) == 7 and gid.startswith("i7:s3:d12:")
+    assert incarnation_of("whatever") == -1
+
+
+async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_url):
+    redis, _keys, producer, learner, collector = await setup(redis_url)
+    a, b, c = (group_uid(3, 1, i) for i in range(3))
+    await producer.put(group(a, 2) + group(b, 1))  # b is incomplete for now
+    await producer.put(group(c, 2) + group(b, 2)[1:])
+    batch = await collector.collect(2, version=1, timeout_s=30, requeue=no_requeue)
+    got = {t.group_uid for t in batch.trajectories}
+    assert len(batch.trajectories) == 4 and len(got) == 2 and got <= {a, b, c}
+    left = ({a, b, c} - got).pop()
+    await collector.commit(batch)
+    assert await learner.pending() == 2  # the group left for the next step stays unacked
+    nxt = await collector.collect(1, version=1, timeout_s=30, requeue=no_requeue)
+    assert {t.group_uid for t in nxt.trajectories} == {left}
+    await collector.commit(nxt)
+    assert await learner.length() == 0
+    await redis.aclose()
+
+
+async def test_stale_old_incarnation_invalid_and_duplicate_trajectories_are_filtered(redis_url):
+    redis, _keys, producer, learner, collector = await setup(redis_url, max_staleness=1)
+    fresh, stale, old, bad = group_uid(3, 5, 0), group_uid(3, 5, 1), group_uid(2, 5, 2), group_uid(3, 5, 3)
+    requeued = []
+
+    async def requeue(t):
+        requeued.append(t.group_uid)
+
+    await producer.put(group(fresh, 2, version=5) + group(stale, 2, version=3) + group(old, 2, version=5))
+    await producer.put(group(bad, 1, version=5) + group(bad, 2, version=5, score=float("nan"))[1:])
+    await producer.put(group(fresh, 2, version=5)[:1])  # a redelivered copy
+    batch = await collector.collect(2, version=5, timeout_s=30, requeue=requeue)
+    assert requeued == [stale]
+    assert (
+        batch.counts["stale"] == 2 and batch.counts["old_incarnation"] == 2 and batch.counts["invalid"] == 1
+    )
+    by_group = {}
+    for t in batch.trajectories:
+        by_group.setdefault(t.group_uid, []).append(t.uid)
+    assert by_group == {fresh: [f"{fresh}/0", f"{fresh}/1"], bad: [f"{bad}/0"]}
+    await collector.commit(batch)
+    # Every entry the step consumed is acked, discarded ones included; the late duplicate is acked
+    # as soon as it is claimed (while looking for a next batch that does not come).
+    with pytest.raises(TimeoutError):
+        await collector.collect(1, version=5, timeout_s=1, requeue=requeue)
+    assert await learner.length() == 0 and await learner.pending() == 0
+    assert await collector.collector.used([f"{fresh}/0", f"{bad}/1"]) == [True, True]
+    await redis.aclose()
+
+
+async def test_collect_times_out_naming_what_is_missing(redis_url):
+    redis, _keys, _producer, _learner, collector = await setup(redis_url)
+    with pytest.raises(TimeoutError, match=r"only 0 of 3 prompt groups arrived"):
+        await collector.collect(3, version=1, timeout_s=0.3, requeue=no_requeue)
+    await redis.aclose()
+
+
+async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the_cursor(redis_url, tmp_path):
+    from rlmesh.data import PromptItem, PromptSampler
+
+    redis = connect(redis_url)
+    keys = RunKeys(f"f-{uuid.uuid4().hex[:6]}")
+    items = [
+        PromptItem(
+            index=i,
+            prompt_ids=[i + 1],
+            prompt_text=f"p{i}",
+            ground_truth=str(i),
+            data_source="arithmetic",
+            ability="math",
+            extra_info={},
+            row=i,
+            file="mem",
+            raw_prompt=f"p{i}",
+        )
+        for i in range(10)
+    ]
+    sampler = PromptSampler(len(items), shuffle=True, seed=1)
+    queue = prompt_queue(redis, keys, "learner")
+    await queue.ensure_group()
+    feeder = PromptFeeder(queue, items, sampler, batch_size=3, n=2, incarnation=4)
+    assert await feeder.ensure(1, version=0, max_staleness=1) == [1, 2]
+    assert await feeder.ensure(1, version=0, max_staleness=1) == []
+    assert await queue.length() == 6
+    after_step_1 = feeder.cursor_after(1)
+    replay = PromptSampler(len(items), shuffle=True, seed=1)
+    replay.load_state_dict(after_step_1)
+    assert replay.next_indices(3) == [int(i) for i in sampler.epoch_order(0)[3:6]]
+    tasks = [d.message for d in await queue.claim(6)]
+    assert all(incarnation_of(t.group_uid) == 4 and t.n == 2 for t in tasks)
+    assert [t.step for t in tasks] == [1, 1, 1, 2, 2, 2]
+    await redis.aclose()
