@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv redis-server demo test lint format docs protos bench bench-queue bench-algo clean
+.PHONY: help venv redis-server demo test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -55,17 +55,26 @@ docs: venv
 protos: venv
 	$(BIN)/python -m rlmesh.wire.protogen
 
-BENCHMARKS := $(wildcard benchmarks/bench_*.py)
+# Benchmarks print their results; none of them is a test (see each script's docstring).
+bench: venv redis-server
+	$(BIN)/python benchmarks/bench_pipeline.py
 
 bench-queue: venv redis-server
 	$(BIN)/python benchmarks/bench_queue.py
 
+bench-rollout: venv
+	$(BIN)/python benchmarks/bench_rollout.py
+
+bench-score: venv
+	$(BIN)/python benchmarks/bench_score.py
+
+bench-learner: venv
+	$(BIN)/python benchmarks/bench_learner.py
+
 bench-algo: venv
 	$(BIN)/python benchmarks/bench_logprobs.py
 
-bench: venv
-	@echo "benchmarks: $(BENCHMARKS)"
-	@for b in $(BENCHMARKS); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+bench-all: bench-queue bench-rollout bench-score bench-learner bench-algo bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -105,12 +105,11 @@ def prepare(
         say(f"supervised warm-up cached at {sft}")
         sft_metrics = json.loads(marker.read_text())
     else:
-        from transformers import AutoTokenizer
-
         from rlmesh.learner.sft import arithmetic_examples, run_sft
+        from rlmesh.models.tokenizer import load_tokenizer
 
         say(f"supervised warm-up: {sft_epochs} epoch(s) on {train_size} examples")
-        examples, _ = arithmetic_examples(str(data / "train.parquet"), AutoTokenizer.from_pretrained(base))
+        examples, _ = arithmetic_examples(str(data / "train.parquet"), load_tokenizer(base))
         result = run_sft(
             str(base),
             str(sft),

@@ -19,9 +19,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer
-
 from rlmesh.config import RLMeshConfig
+from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.reference.client import ReferenceClient
 from rlmesh.reward.client import RewardClient
@@ -101,7 +100,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
                 run_version["read_at"] = time.monotonic()
         return sampler.policy_version >= run_version["value"]
 
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.tokenizer_path())
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_path())
     sampler = SamplerLoop(
         prompts=prompt_queue(
             redis, keys, replica_id, maxlen=cfg.rlmesh.queue.prompt_stream_maxlen, **queue_kw

@@ -104,13 +104,15 @@ def create_app(
     ready_file: str | None = None,
     port_holder: dict[str, int] | None = None,
 ) -> FastAPI:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from rlmesh.models.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = None
     if not skip_tokenizer_init:
         with contextlib.suppress(Exception):  # a model directory without a tokenizer is fine
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            tokenizer = load_tokenizer(model_path)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = eos if eos is not None else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"  # eos and pad, as in Qwen2 base models
 IM_START = "<|im_start|>"
@@ -33,6 +33,21 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+CHAR_TOKENIZER_MARKER = "rlmesh_char_tokenizer"
+
+
+def load_tokenizer(path: str | Path, **kwargs: object) -> PreTrainedTokenizerBase:
+    """The tokenizer saved at ``path``: rlmesh's char tokenizer exactly as saved, any other one
+    through ``AutoTokenizer``. Use this, not ``AutoTokenizer``, wherever rlmesh loads a tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser()
+    config = path / "tokenizer_config.json"
+    if config.exists() and json.loads(config.read_text()).get(CHAR_TOKENIZER_MARKER):
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
 
 
 def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -68,6 +83,10 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> P
     path = out / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # transformers 5's AutoTokenizer swaps in the model type's tokenizer class (Qwen2Tokenizer,
+    # whose byte-level pre-tokenizer drops our spaces) when a config.json sits beside this file;
+    # load_tokenizer sees this marker and loads the files as they are.
+    cfg[CHAR_TOKENIZER_MARKER] = True
     extra = cfg.pop("extra_special_tokens", None)
     if isinstance(extra, list):
         cfg["additional_special_tokens"] = extra

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
+
+from rlmesh.models.tokenizer import load_tokenizer
 
 
 def default_device() -> torch.device:
@@ -44,7 +46,7 @@ class RewardModelScorer:
         self.dtype = dtype or default_dtype(self.device)
         self.max_length = max_length
         self.micro_batch_size = micro_batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=trust_remote_code)
+        self.tokenizer = load_tokenizer(self.path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token_id is None:

@@ -639,9 +639,9 @@ def _policy_tokenizer(path: str) -> Any:
     ):
         return None
     try:
-        from transformers import AutoTokenizer
+        from rlmesh.models.tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(local))
+        return load_tokenizer(str(local))
     except Exception as e:
         log.warning("could not load the tokenizer at %s (%s); token ids are not checked", local, e)
         return None

@@ -31,6 +31,7 @@ from rlmesh.algo import get_kl_controller
 from rlmesh.config import RLMeshConfig
 from rlmesh.data import PromptSampler, RLHFDataset
 from rlmesh.engine.client import EngineClient
+from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
     ReplicaRegistry,
     RunKeys,
@@ -134,12 +135,10 @@ class TrainingLoop:
         progress: Callable[[str], None] | None = None,
         follower: bool = False,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.state = LoopState()
         self.keys = RunKeys(cfg.rlmesh.run_id or "default")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path())
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path())
         self.train_set = RLHFDataset.from_config(cfg.data, self.tokenizer, split="train")
         self.val_set = (
             RLHFDataset.from_config(cfg.data, self.tokenizer, split="val") if cfg.data.val_files else None

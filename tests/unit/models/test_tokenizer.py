@@ -74,3 +74,17 @@ def test_save_and_load(saved):
     ) == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert loaded.eos_token_id == loaded.pad_token_id == 96
     assert {"<|im_start|>", "<|im_end|>"} <= set(loaded.all_special_tokens)
+
+
+def test_load_tokenizer_beside_a_qwen2_config_keeps_every_character(tmp_path):
+    """transformers 5's AutoTokenizer would load Qwen2Tokenizer here (its byte-level regex drops
+    the spaces of a char vocabulary); load_tokenizer must give back exactly what was saved."""
+    from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
+
+    model_dir = build_tiny_model(tmp_path / "m", build_tokenizer(), hidden_size=32, num_layers=1)
+    tok = load_tokenizer(model_dir)
+    text = "What is 12 + 7?\n#### 19"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id == build_tokenizer().eos_token_id
