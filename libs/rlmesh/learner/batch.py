@@ -1,0 +1,230 @@
+"""Trajectories to padded tensors, laid out as verl's ``DataProto.batch`` is.
+
+With ``P`` the longest prompt and ``R`` the longest response of the batch (or the fixed widths
+given), one row per trajectory::
+
+    prompts         (bs, P)      left-padded with pad_token_id
+    responses       (bs, R)      right-padded with pad_token_id
+    input_ids       (bs, P + R)  cat(prompts, responses)
+    attention_mask  (bs, P + R)  1 on real tokens
+    position_ids    (bs, P + R)  clip(cumsum(attention_mask) - 1, 0)  (verl's compute_position_id_with_mask)
+    response_mask   (bs, R)      attention_mask[:, -R:]
+    token_level_scores (bs, R)   the sequence score on the last valid response token
+
+A trajectory the learner must not train on (NaN score, empty response, an error, log-probs of the
+wrong length) is refused with a :class:`BatchError` naming its uid and the field, before anything
+reaches a loss; :func:`validate_trajectory` gives the same verdict for one trajectory so a caller
+can drop and log bad samples first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rlmesh.algo import place_scores_on_last_token
+from rlmesh.v1.trajectory_pb2 import Trajectory
+
+__all__ = ["BatchError", "PPOBatch", "build_batch", "compute_position_ids", "validate_trajectory"]
+
+
+class BatchError(ValueError):
+    """A trajectory (or a whole batch) that must not be trained on; names the uid and the field."""
+
+    def __init__(self, uid: str, field: str, reason: str) -> None:
+        self.uid = uid
+        self.field = field
+        self.reason = reason
+        super().__init__(f"trajectory {uid!r}: {field}: {reason}")
+
+
+@dataclass
+class PPOBatch:
+    """One training batch in verl's layout (see the module docstring for the shapes).
+
+    ``index`` is verl's ``uid`` non-tensor column: the prompt (group) id of each row, which the
+    group-based advantage estimators group by. ``has_rollout_log_probs`` marks rows whose
+    trajectory carried rollout log-probs (the others hold zeros in ``rollout_log_probs``).
+    """
+
+    prompts: torch.Tensor
+    responses: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor | None
+    token_level_scores: torch.Tensor
+    scores: torch.Tensor
+    has_rollout_log_probs: torch.Tensor
+    index: np.ndarray
+    uids: list[str]
+    policy_versions: np.ndarray
+    data_sources: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.prompts.shape[1])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.responses.shape[1])
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> PPOBatch:
+        """The rows ``rows`` (in that order), same widths."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        np_idx = idx.numpy()
+        return PPOBatch(
+            prompts=self.prompts[idx],
+            responses=self.responses[idx],
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            position_ids=self.position_ids[idx],
+            response_mask=self.response_mask[idx],
+            rollout_log_probs=self.rollout_log_probs[idx],
+            ref_log_probs=None if self.ref_log_probs is None else self.ref_log_probs[idx],
+            token_level_scores=self.token_level_scores[idx],
+            scores=self.scores[idx],
+            has_rollout_log_probs=self.has_rollout_log_probs[idx],
+            index=self.index[np_idx],
+            uids=[self.uids[i] for i in np_idx],
+            policy_versions=self.policy_versions[np_idx],
+            data_sources=[self.data_sources[i] for i in np_idx] if self.data_sources else [],
+        )
+
+
+def _finite(values: Sequence[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def _problem(t: Trajectory) -> tuple[str, str] | None:
+    """(field, reason) of the first thing wrong with a trajectory, or None."""
+    if t.HasField("error") and (t.error.code != 0 or t.error.message):
+        err = t.error
+        return "error", f"the sample failed ({err.source or 'unknown source'}: {err.message or err.code})"
+    if not math.isfinite(t.score):
+        return "score", f"score is not finite ({t.score})"
+    n = len(t.response_ids)
+    if n == 0:
+        return "response_ids", "the response is empty"
+    if len(t.prompt_ids) == 0:
+        return "prompt_ids", "the prompt is empty"
+    for name in ("prompt_ids", "response_ids"):
+        if min(getattr(t, name)) < 0:
+            return name, "holds a negative token id"
+    for name in ("rollout_log_probs", "ref_log_probs"):
+        values = getattr(t, name)
+        if len(values) and len(values) != n:
+            return name, f"has {len(values)} values for {n} response tokens"
+        if not _finite(values):
+            return name, "holds a non-finite value"
+    return None
+
+
+def validate_trajectory(t: Trajectory) -> str | None:
+    """Why ``t`` must not be trained on, or None when it is fine.
+
+    Refused: ``error`` set, a non-finite ``score``, an empty response or prompt, a negative token
+    id, ``rollout_log_probs``/``ref_log_probs`` whose length is not the response length or that
+    hold NaN/inf. The reason starts with the field name.
+    """
+    problem = _problem(t)
+    return None if problem is None else f"{problem[0]}: {problem[1]}"
+
+
+def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``compute_position_id_with_mask``: ``clip(cumsum(mask) - 1, min=0)``, ``(bs, L)``."""
+    return torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+
+
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    pad_token_id: int,
+    *,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+) -> PPOBatch:
+    """Pad ``trajectories``  into a :class:`PPOBatch`.
+
+    Args:
+        trajectories: at least one; all valid (see :func:`validate_trajectory`).
+        pad_token_id: written at padded positions of ``prompts``/``responses``/``input_ids``.
+        max_prompt_length: pad prompts to this width (verl pads to ``data.max_prompt_length``);
+            default the longest prompt.
+        max_response_length: pad responses to this width (verl: ``data.max_response_length``);
+            default the longest response.
+
+    Raises:
+        BatchError: an invalid trajectory (named by uid and field), ref log-probs on some
+            trajectories but not others, or a sequence longer than a given width.
+    """
+    if not trajectories:
+        raise ValueError("build_batch needs at least one trajectory")
+    for t in trajectories:
+        problem = _problem(t)
+        if problem is not None:
+            raise BatchError(t.uid, *problem)
+    with_ref = [len(t.ref_log_probs) > 0 for t in trajectories]
+    if any(with_ref) and not all(with_ref):
+        missing = next(t for t, has in zip(trajectories, with_ref, strict=True) if not has)
+        raise BatchError(
+            missing.uid, "ref_log_probs", "missing while other trajectories of the batch carry them"
+        )
+
+    prompt_lens = [len(t.prompt_ids) for t in trajectories]
+    response_lens = [len(t.response_ids) for t in trajectories]
+    width_p = max(prompt_lens) if max_prompt_length is None else max_prompt_length
+    width_r = max(response_lens) if max_response_length is None else max_response_length
+    for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
+        if lp > width_p:
+            raise BatchError(t.uid, "prompt_ids", f"{lp} tokens exceed max_prompt_length={width_p}")
+        if lr > width_r:
+            raise BatchError(t.uid, "response_ids", f"{lr} tokens exceed max_response_length={width_r}")
+
+    bs = len(trajectories)
+    prompts = torch.full((bs, width_p), pad_token_id, dtype=torch.long)
+    responses = torch.full((bs, width_r), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((bs, width_p), dtype=torch.long)
+    response_mask = torch.zeros((bs, width_r), dtype=torch.long)
+    rollout_log_probs = torch.zeros((bs, width_r), dtype=torch.float32)
+    ref_log_probs = torch.zeros((bs, width_r), dtype=torch.float32) if any(with_ref) else None
+    has_rollout = torch.zeros(bs, dtype=torch.bool)
+    for i, t in enumerate(trajectories):
+        lp, lr = prompt_lens[i], response_lens[i]
+        prompts[i, width_p - lp :] = torch.tensor(list(t.prompt_ids), dtype=torch.long)
+        prompt_mask[i, width_p - lp :] = 1
+        responses[i, :lr] = torch.tensor(list(t.response_ids), dtype=torch.long)
+        response_mask[i, :lr] = 1
+        if len(t.rollout_log_probs):
+            rollout_log_probs[i, :lr] = torch.tensor(list(t.rollout_log_probs), dtype=torch.float32)
+            has_rollout[i] = True
+        if ref_log_probs is not None:
+            ref_log_probs[i, :lr] = torch.tensor(list(t.ref_log_probs), dtype=torch.float32)
+
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    scores = torch.tensor([t.score for t in trajectories], dtype=torch.float32)
+    return PPOBatch(
+        prompts=prompts,
+        responses=responses,
+        input_ids=torch.cat([prompts, responses], dim=1),
+        attention_mask=attention_mask,
+        position_ids=compute_position_ids(attention_mask),
+        response_mask=response_mask,
+        rollout_log_probs=rollout_log_probs,
+        ref_log_probs=ref_log_probs,
+        token_level_scores=place_scores_on_last_token(scores, response_mask),
+        scores=scores,
+        has_rollout_log_probs=has_rollout,
+        index=np.array([t.group_uid for t in trajectories], dtype=object),
+        uids=[t.uid for t in trajectories],
+        policy_versions=np.array([t.policy_version for t in trajectories], dtype=np.int64),
+        data_sources=[t.data_source for t in trajectories],
+    )

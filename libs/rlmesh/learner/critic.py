@@ -1,0 +1,155 @@
+"""The PPO critic on a DeepSpeed engine: verl's ``DataParallelPPOCritic`` (``compute_values``,
+``update_critic``) with global loss normalisation over the data-parallel ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlmesh.algo import compute_value_loss, masked_mean
+from rlmesh.config import CriticConfig
+from rlmesh.learner.batch import PPOBatch
+from rlmesh.learner.dist import world_size
+from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of, slice_micro_batch
+from rlmesh.learner.parallel import (
+    MetricSums,
+    epoch_order,
+    forward_without_grad,
+    global_loss_scale,
+    log_skipped_step,
+    micro_batch_plan,
+    mini_batch_counts,
+    optimizer_step,
+    step_scheduler,
+)
+from rlmesh.learner.partition import mini_batches
+
+__all__ = ["DeepSpeedPPOCritic"]
+
+
+class DeepSpeedPPOCritic:
+    """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
+    the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device."""
+
+    def __init__(
+        self,
+        engine: Any,
+        scheduler: Any,
+        config: CriticConfig,
+        *,
+        rollout_n: int,
+        norm_len: int,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.config = config
+        self.rollout_n = rollout_n
+        self.norm_len = norm_len
+        self.seed = seed
+        self.device = device
+        self.skipped_steps = 0
+
+    def compute_values(self, batch: PPOBatch) -> torch.Tensor:
+        """Values ``(bs, R)``, zero past each response (as verl), no grad; micro-batches of
+        ``forward_micro_batch_size_per_gpu`` or packed by ``forward_max_token_len_per_gpu``."""
+        cfg = self.config
+
+        def fn(mb: MicroBatch) -> tuple[torch.Tensor]:
+            return (critic_forward(self.engine, mb),)
+
+        plan = micro_batch_plan(
+            batch,
+            range(len(batch)),
+            cfg.forward_micro_batch_size_per_gpu,
+            cfg.use_dynamic_bsz,
+            cfg.forward_max_token_len_per_gpu,
+        )
+        (values,) = forward_without_grad(self.engine, batch, fn, 1, plan, self.device)
+        return values * batch.response_mask
+
+    def mini_batch_backward(
+        self, batch: PPOBatch, rows: list[int], values: torch.Tensor, returns: torch.Tensor, sums: MetricSums
+    ) -> bool:
+        """Forward/backward of this rank's micro-batches of the global mini-batch ``rows``:
+        ``s · compute_value_loss(...)`` each (clipped value loss, :func:`global_loss_scale`).
+        Returns True when a loss was not finite (the step is then skipped on every rank)."""
+        cfg = self.config
+        mode = cfg.loss_agg_mode
+        dp = world_size()
+        n_tokens, n_seqs = mini_batch_counts(batch, rows)
+        plan = micro_batch_plan(
+            batch, rows, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+        )
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_tokens"):
+            sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
+        nonfinite = False
+        self.engine.train()
+        for i, micro_rows in enumerate(plan):
+            self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+            dummy = not micro_rows
+            micro_rows = micro_rows or rows[:1]
+            mb = slice_micro_batch(batch, micro_rows, self.device)
+            w = mb.response_width
+            vpreds = critic_forward(self.engine, mb)
+            if dummy:  # keeps ZeRO's collectives in step with the other ranks; contributes nothing
+                self.engine.backward(vpreds.sum() * 0.0, scale_wrt_gas=False)
+                continue
+            mask = rows_of(batch.response_mask, micro_rows, w, self.device)
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds,
+                rows_of(returns, micro_rows, w, self.device),
+                rows_of(values, micro_rows, w, self.device),
+                mask,
+                cliprange_value=cfg.cliprange_value,
+                loss_agg_mode=mode,
+            )
+            scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
+            loss = vf_loss * scale
+            if not torch.isfinite(loss):
+                nonfinite = True
+                loss = vpreds.sum() * float("nan")
+            self.engine.backward(loss, scale_wrt_gas=False)
+            tokens = float(mask.sum())
+            sums.add("critic/vf_loss", vf_loss.item() * scale / dp)
+            sums.add("critic/vf_clipfrac", vf_clipfrac.item() * tokens)
+            sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item() * tokens)
+            sums.add("_tokens", tokens)
+        return nonfinite
+
+    def update_critic(
+        self, batch: PPOBatch, values: torch.Tensor, returns: torch.Tensor, step: int
+    ) -> dict[str, float]:
+        """``critic.ppo_epochs`` over mini-batches, one optimizer step each, one lr-scheduler step."""
+        cfg = self.config
+        mini_size = int(cfg.ppo_mini_batch_size) * self.rollout_n
+        lr = self.scheduler.get_last_lr()[0]
+        sums = MetricSums()
+        grad_norms: list[float] = []
+        steps = skipped = 0
+        for epoch in range(int(cfg.ppo_epochs)):
+            for rows in mini_batches(
+                epoch_order(len(batch), self.seed, step, epoch, bool(cfg.shuffle)), mini_size
+            ):
+                nonfinite = self.mini_batch_backward(batch, rows, values, returns, sums)
+                grad_norm, applied = optimizer_step(self.engine)
+                steps += 1
+                if applied:
+                    grad_norms.append(grad_norm)
+                else:
+                    skipped += 1
+                    self.skipped_steps += 1
+                    log_skipped_step("critic", nonfinite, grad_norm, step, self.skipped_steps)
+        step_scheduler(self.scheduler)
+        totals = sums.reduced()
+        tokens = max(totals.pop("_tokens", 0.0), 1.0)
+        return {
+            "critic/vf_loss": totals.get("critic/vf_loss", 0.0) / steps,
+            "critic/vf_clipfrac": totals.get("critic/vf_clipfrac", 0.0) / tokens,
+            "critic/vpred_mean": totals.get("critic/vpred_mean", 0.0) / tokens,
+            "critic/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "critic/lr": lr,
+            "critic/skipped_steps": float(skipped),
+        }

@@ -1,0 +1,98 @@
+"""torch.distributed for the learner: one process group over the data-parallel ranks.
+
+Launched by ``deepspeed``/``torchrun`` the environment names the group; a plain single process
+makes a group of one on a free loopback port itself (without a group DeepSpeed falls back to MPI
+discovery and fails). Backend: NCCL when CUDA is there, else gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlmesh.runtime.launcher import free_port
+
+__all__ = ["all_reduce_sum", "barrier", "broadcast_object", "init_distributed", "rank", "world_size"]
+
+log = logging.getLogger("rlmesh.learner")
+
+
+def _skip_shm_comm_build() -> None:
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on the first
+    # init_distributed of a machine (35-75 s here). That op only serves DeepSpeed-Inference's
+    # tensor-parallel all-reduce, which training never calls: skip the build unless asked for.
+    if os.environ.get("RLMESH_DS_SHM_COMM", "0") == "1":
+        return
+    # importlib: the attribute deepspeed.comm.torch can be the torch package itself.
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch_comm, "build_shm_op"):
+        ds_torch_comm.build_shm_op = lambda: None
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Join (or create) the learner's process group; idempotent.
+
+    Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the group is the launcher's.
+    Otherwise this process is a group of one on a free loopback port; only ``LOCAL_RANK=0`` is
+    put into the environment (DeepSpeed insists on it), so child processes inherit no rendezvous.
+
+    Args:
+        backend: ``gloo`` or ``nccl``; default NCCL on CUDA, gloo otherwise.
+    """
+    import deepspeed
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        _skip_shm_comm_build()
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # With a group in place DeepSpeed only registers it with deepspeed.comm.
+    deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else backend)
+    log.info("learner rank %d of %d in the process group (%s)", rank(), world_size(), dist.get_backend())
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the ranks (a no-op with one rank); returns ``tensor``.
+
+    NCCL reduces device tensors only: a CPU tensor makes a round trip through the current GPU.
+    """
+    if world_size() == 1:
+        return tensor
+    if dist.get_backend() == "nccl" and tensor.device.type == "cpu":
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        tensor.copy_(on_device.cpu())
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,172 @@
+"""Data-parallel pieces shared by the actor and the critic: global loss scaling, metric sums over
+ranks, forward passes without grad over a sharded batch, and the optimizer step that skips
+non-finite updates."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlmesh.learner.batch import PPOBatch
+from rlmesh.learner.dist import all_reduce_sum, rank, world_size
+from rlmesh.learner.forward import MicroBatch, pad_to_width, slice_micro_batch
+from rlmesh.learner.partition import plan_micro_batches
+
+__all__ = [
+    "MetricSums",
+    "epoch_order",
+    "forward_without_grad",
+    "global_loss_scale",
+    "log_skipped_step",
+    "micro_batch_plan",
+    "mini_batch_counts",
+    "optimizer_step",
+    "step_scheduler",
+]
+
+log = logging.getLogger("rlmesh.learner")
+
+
+class MetricSums:
+    """Metric sums of one rank, summed over the ranks in one all-reduce at the end."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = defaultdict(float)
+
+    def add(self, key: str, value: float) -> None:
+        self.values[key] += float(value)
+
+    def reduced(self) -> dict[str, float]:
+        keys = sorted(self.values)  # every rank ran the same plan, so holds the same keys
+        totals = all_reduce_sum(torch.tensor([self.values[k] for k in keys], dtype=torch.float64))
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+
+def global_loss_scale(
+    response_mask: torch.Tensor, loss_agg_mode: str, n_tokens: int, n_seqs: int, dp_size: int, norm_len: int
+) -> float:
+    """Factor turning a micro-batch loss aggregated over itself into its share of the global
+    mini-batch loss, times ``dp_size`` (which DeepSpeed's gradient averaging divides out).
+
+    ``agg_loss`` of a micro-batch divides by its own count ``c`` (valid tokens for token-mean,
+    sequences for seq-mean-*, the padded width for seq-mean-token-sum-norm):
+
+    .. math:: \\mathcal{L}_{micro} \\cdot \\frac{c}{C_{global}} \\cdot dp
+              = \\mathrm{agg\\_loss}(\\ldots, dp\\_size, batch\\_num\\_tokens, global\\_batch\\_size)
+
+    which is verl's global normalisation; -norm divides by a constant ``norm_len`` instead of each
+    micro-batch's own padded width.
+    """
+    if loss_agg_mode == "token-mean":
+        local, total = float(response_mask.sum()), float(n_tokens)
+    elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        local, total = float((response_mask.sum(dim=-1) > 0).sum()), float(n_seqs)
+    else:  # seq-mean-token-sum-norm: a sum over sequences divided by a constant length
+        local, total = float(response_mask.shape[-1]), float(norm_len)
+    return local / max(total, 1.0) * dp_size
+
+
+def mini_batch_counts(batch: PPOBatch, rows: Sequence[int]) -> tuple[int, int]:
+    """Valid response tokens and sequences with at least one of them, over the global mini-batch."""
+    mask = batch.response_mask[list(rows)]
+    return int(mask.sum()), int((mask.sum(dim=-1) > 0).sum())
+
+
+def epoch_order(size: int, seed: int, step: int, epoch: int, shuffle: bool) -> list[int]:
+    """Row order of one PPO epoch: as collected, or a permutation that is a function of
+    ``(seed, step, epoch)`` only (the same on every rank and after a resume)."""
+    if not shuffle:
+        return list(range(size))
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + epoch)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def micro_batch_plan(
+    batch: PPOBatch,
+    rows: Sequence[int],
+    micro_batch_size: int | None,
+    use_dynamic_bsz: bool | None,
+    max_token_len: int | None,
+) -> list[list[int]]:
+    """This rank's micro-batches of ``rows`` (see :func:`rlmesh.learner.partition.plan_micro_batches`)."""
+    return plan_micro_batches(
+        rows,
+        world_size(),
+        rank(),
+        micro_batch_size=micro_batch_size,
+        use_dynamic_bsz=bool(use_dynamic_bsz),
+        max_token_len=max_token_len,
+        seq_lens=batch.attention_mask.sum(dim=1).tolist(),
+    )
+
+
+def forward_without_grad(
+    engine: Any,
+    batch: PPOBatch,
+    fn: Callable[[MicroBatch], tuple[torch.Tensor, ...]],
+    num_outputs: int,
+    plan: list[list[int]],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Run ``fn`` (``(n, w)`` tensors per micro-batch) over this rank's ``plan`` in eval mode
+    without grad; results go into full ``(bs, R)`` tensors summed over the ranks (each row is
+    computed by exactly one rank, the others hold zeros there)."""
+    zero3 = engine.zero_optimization_stage() == 3
+    outputs = [torch.zeros(len(batch), batch.response_length) for _ in range(num_outputs)]
+    engine.eval()
+    with torch.no_grad():
+        for rows in plan:
+            if not rows:
+                if zero3:  # ZeRO-3 forwards gather parameters collectively: stay in step
+                    fn(slice_micro_batch(batch, [0], device))
+                continue
+            results = fn(slice_micro_batch(batch, rows, device))
+            for out, res in zip(outputs, results, strict=True):
+                out[rows] = pad_to_width(res.float().cpu(), batch.response_length)
+    return [all_reduce_sum(out) for out in outputs]
+
+
+def optimizer_step(engine: Any) -> tuple[float, bool]:
+    """Clip and step, or skip when the gradient norm is not finite.
+
+    DeepSpeed's ZeRO and bf16/fp16 optimizers check the global norm themselves and skip a
+    non-finite step (``was_step_applied``); a stage-0 fp32 engine steps the client optimizer
+    directly, so its (already all-reduced) gradients are checked here first.
+
+    Returns:
+        grad_norm: global norm before clipping (inf/NaN when skipped).
+        applied: whether the weights changed.
+    """
+    if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(grad_norm):
+            engine.zero_grad()
+            return grad_norm, False
+        engine.step()
+        return grad_norm, True
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return (float("nan") if norm is None else float(norm)), bool(engine.was_step_applied())
+
+
+def log_skipped_step(role: str, nonfinite_loss: bool, grad_norm: float, step: int, skipped: int) -> None:
+    cause = "a non-finite loss on this rank" if nonfinite_loss else "a non-finite gradient norm"
+    log.error(
+        "%s: optimizer step skipped, weights unchanged: %s (grad_norm=%s) at training step %d; skipped_steps=%d",
+        role, cause, grad_norm, step, skipped,
+    )  # fmt: skip
+
+
+def step_scheduler(scheduler: Any) -> None:
+    """One lr-scheduler step. verl steps once per PPO step even when every optimizer step was
+    skipped; torch then warns that the optimizer did not step first, which is expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        scheduler.step()

@@ -1,0 +1,103 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlmesh.learner.batch import BatchError, build_batch, validate_trajectory
+from rlmesh.v1.common_pb2 import ErrorCode
+from rlmesh.v1.trajectory_pb2 import Trajectory
+
+PAD = 9
+
+
+def traj(
+    uid="g0/0", prompt=(1, 2, 3), response=(4, 5), score=1.0, rollout=None, ref=None, group="g0", version=3
+):
+    t = Trajectory(uid=uid, group_uid=group, prompt_ids=prompt, response_ids=response, score=score)
+    t.policy_version = version
+    if rollout is not None:
+        t.rollout_log_probs.extend(rollout)
+    if ref is not None:
+        t.ref_log_probs.extend(ref)
+    return t
+
+
+def test_layout_is_verls():
+    a = traj("g0/0", prompt=(1, 2, 3), response=(4, 5), score=1.0, rollout=(-0.5, -0.25), ref=(-1.0, -2.0))
+    b = traj(
+        "g1/0", prompt=(7,), response=(6, 5, 4), score=-2.0, ref=(-3.0, -4.0, -5.0), group="g1", version=4
+    )
+    batch = build_batch([a, b], PAD)
+
+    assert batch.prompts.tolist() == [[1, 2, 3], [PAD, PAD, 7]]  # left-padded
+    assert batch.responses.tolist() == [[4, 5, PAD], [6, 5, 4]]  # right-padded
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, PAD], [PAD, PAD, 7, 6, 5, 4]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert batch.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch.rollout_log_probs.tolist() == [[-0.5, -0.25, 0.0], [0.0, 0.0, 0.0]]  # 0 where missing
+    assert batch.has_rollout_log_probs.tolist() == [True, False]
+    assert batch.ref_log_probs.tolist() == [[-1.0, -2.0, 0.0], [-3.0, -4.0, -5.0]]
+    assert batch.token_level_scores.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, -2.0]]  # on the last token
+    assert isinstance(batch.index, np.ndarray) and batch.index.tolist() == ["g0", "g1"]
+    assert batch.uids == ["g0/0", "g1/0"]
+    assert batch.policy_versions.tolist() == [3, 4]
+    assert len(batch) == 2 and batch.prompt_length == 3 and batch.response_length == 3
+
+
+def test_fixed_widths_and_no_ref():
+    batch = build_batch([traj()], PAD, max_prompt_length=5, max_response_length=4)
+    assert batch.prompts.shape == (1, 5) and batch.responses.shape == (1, 4)
+    assert batch.ref_log_probs is None
+    with pytest.raises(BatchError, match="max_response_length=1"):
+        build_batch([traj()], PAD, max_response_length=1)
+
+
+def test_select_keeps_rows_aligned():
+    batch = build_batch([traj("a", group="ga"), traj("b", response=(1, 2, 3, 4), group="gb")], PAD)
+    sub = batch.select([1])
+    assert sub.uids == ["b"] and sub.index.tolist() == ["gb"]
+    assert torch.equal(sub.responses[0], batch.responses[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"score": math.nan}, "score"),
+        ({"score": math.inf}, "score"),
+        ({"response": ()}, "response_ids"),
+        ({"prompt": ()}, "prompt_ids"),
+        ({"rollout": (-1.0,)}, "rollout_log_probs"),
+        ({"ref": (-1.0, -1.0, -1.0)}, "ref_log_probs"),
+        ({"rollout": (-1.0, math.nan)}, "rollout_log_probs"),
+        ({"response": (4, -1)}, "response_ids"),
+    ],
+)
+def test_bad_trajectories_are_refused_naming_uid_and_field(kwargs, field):
+    bad = traj("bad/1", **kwargs)
+    reason = validate_trajectory(bad)
+    assert reason is not None and reason.startswith(field)
+    with pytest.raises(BatchError) as info:
+        build_batch([traj("ok/0"), bad], PAD)
+    assert info.value.uid == "bad/1" and info.value.field == field
+    assert "bad/1" in str(info.value) and field in str(info.value)
+
+
+def test_error_set_is_refused():
+    t = traj("err/0")
+    t.error.code = ErrorCode.ERROR_CODE_TIMEOUT
+    t.error.message = "reward timed out"
+    t.error.source = "reward:arithmetic"
+    assert "reward timed out" in validate_trajectory(t)
+    with pytest.raises(BatchError, match=r"err/0.*error"):
+        build_batch([t], PAD)
+
+
+def test_valid_trajectory_passes():
+    assert validate_trajectory(traj(rollout=(-1.0, -2.0), ref=(-1.0, -1.5))) is None
+
+
+def test_ref_log_probs_on_some_trajectories_only_is_refused():
+    with pytest.raises(BatchError, match=r"b/0.*ref_log_probs"):
+        build_batch([traj("a/0", ref=(-1.0, -1.0)), traj("b/0")], PAD)
