@@ -123,6 +123,8 @@ def follow(trainer: Any) -> None:
             trainer.save_checkpoint(command[1], command[2])
         elif kind == "load":
             trainer.load_checkpoint(command[1])
+        elif kind == "export":
+            trainer.export_hf(command[1], None)
 
 
 class TrainingLoop:
@@ -260,6 +262,10 @@ class TrainingLoop:
             path, extra = args
             self.followers.send(("save", path, extra))
             return self.trainer.save_checkpoint(path, extra)
+        if kind == "export":
+            (path,) = args
+            self.followers.send(("export", path))
+            return self.trainer.export_hf(path, None)
         if kind == "load":
             (path,) = args
             self.followers.send(("load", path))
@@ -322,7 +328,7 @@ class TrainingLoop:
     def _export_snapshot(self, version: int) -> str:
         root = Path(self.cfg.rlmesh.weight_sync.disk_dir or self.checkpoint_root / "weights")
         path = root / f"v{version}"
-        self.trainer.export_hf(str(path), None)
+        self._collective("export", str(path))  # collective under ZeRO-3: every rank takes part
         return str(path)
 
     # ----- one step -----

@@ -1,0 +1,227 @@
+"""The learner service with every other service, each a real process: a short PPO run, the
+weight push, checkpoints and the Learner control RPCs."""
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.data import generate_arithmetic
+from rlmesh.learner import latest_checkpoint
+from rlmesh.learner.sft import arithmetic_examples, run_sft
+from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from tests.helpers import child_env, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "cpu_demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prep")
+    base = build_tiny_model(root / "base", build_tokenizer(), hidden_size=64, num_layers=2, seed=0)
+    data = generate_arithmetic(
+        root / "data", 0, train_size=200, val_size=16, min_terms=2, max_terms=2, max_operand=20, ops="+-"
+    )
+    examples, _ = arithmetic_examples(str(data["train"]), load_tokenizer(base))
+    run_sft(
+        str(base),
+        str(root / "sft"),
+        examples,
+        epochs=1,
+        lr=1e-3,
+        batch_size=32,
+        seed=0,
+        log_fn=lambda m: None,
+    )
+    return root / "sft", data
+
+
+def start_stack(launcher, prepared, run_dir, extra):
+    model, data = prepared
+    run_id = f"e2e-{uuid.uuid4().hex[:6]}"
+    redis = launcher.start_redis()
+    common = [
+        f"rlmesh.run_id={run_id}",
+        f"rlmesh.redis_url={redis.url}",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data['train']}",
+        f"data.val_files={data['test']}",
+        f"trainer.default_local_dir={run_dir}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+        *extra,
+    ]
+    svc = {}
+    for name in ("reward", "reference"):
+        svc[name] = launcher.start_service(
+            name,
+            config_path=CONFIG,
+            overrides=[*common, f"rlmesh.{name}.port=0", f"rlmesh.{name}.metrics_port=0"],
+        )
+    peers = [
+        f"rlmesh.reward.addresses=['{svc['reward'].grpc_address}']",
+        f"rlmesh.reference.addresses=['{svc['reference'].grpc_address}']",
+    ]
+    rollout = launcher.start_service(
+        "rollout",
+        config_path=CONFIG,
+        overrides=[
+            *common,
+            *peers,
+            "rlmesh.rollout.port=0",
+            "rlmesh.rollout.metrics_port=0",
+            "rlmesh.sampler.replica_id=r0",
+        ],
+    )
+    learner = launcher.start_service(
+        "learner",
+        config_path=CONFIG,
+        timeout_s=300,
+        overrides=[*common, *peers, "rlmesh.learner.port=0", "rlmesh.learner.metrics_port=0"],
+    )
+    learner.rollout_address = rollout.grpc_address
+    return learner, common
+
+
+def engine_url(rollout_address):
+    with grpc.insecure_channel(rollout_address) as channel:
+        return rollout_pb2_grpc.RolloutStub(channel).GetInfo(common_pb2.Empty(), timeout=10).engine_url
+
+
+def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepared):
+    run_dir = tmp_path / "run"
+    with ProcessLauncher(tmp_path / "procs", stop_grace_s=30) as launcher:
+        learner, common = start_stack(
+            launcher,
+            prepared,
+            run_dir,
+            ["trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=3"],
+        )
+        assert learner.process.popen.wait(timeout=600) == 0, learner.process.log_tail(40)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2, 3]  # validation before training, then 3 steps
+        for key in (
+            "actor/pg_loss",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+            "actor/entropy",
+            "actor/grad_norm",
+            "actor/lr",
+            "critic/vf_loss",
+            "critic/score/mean",
+            "actor/reward_kl_penalty",
+            "actor/reward_kl_penalty_coeff",
+            "response_length/mean",
+            "timing_s/gen",
+            "timing_s/push_weights",
+            "timing_s/step",
+            "perf/throughput",
+        ):
+            assert key in rows[1], key
+        assert "val/score" in rows[0] and "val/score" in rows[3]
+        assert rows[3]["training/policy_version"] == 3
+        checkpoint = latest_checkpoint(str(run_dir))
+        assert checkpoint is not None and checkpoint.endswith("global_step_3")
+        assert (Path(checkpoint).parent / "global_step_2").is_dir()
+
+        # The replica holds exactly the weights the learner ended with: its greedy output equals
+        # that of the exported final actor.
+        export = tmp_path / "export"
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlmesh.cli",
+                "export",
+                "--checkpoint",
+                checkpoint,
+                "--out",
+                str(export),
+                "--config",
+                str(CONFIG),
+                *common,
+            ],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            cwd=REPO,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+        prompts = [[10, 20, 30, 40], [5, 6, 7]]
+        expected = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = list(p)
+                for _ in range(6):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+                expected.append(ids[len(p) :])
+        body = {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        }
+        got = [
+            o["output_ids"]
+            for o in httpx.post(
+                engine_url(learner.rollout_address) + "/generate", json=body, timeout=60
+            ).json()
+        ]
+        assert got == expected
+
+
+def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
+    run_dir = tmp_path / "run"
+    with ProcessLauncher(tmp_path / "procs", stop_grace_s=30) as launcher:
+        learner, _ = start_stack(
+            launcher,
+            prepared,
+            run_dir,
+            [
+                "trainer.total_training_steps=500",
+                "trainer.save_freq=-1",
+                "trainer.test_freq=-1",
+                "trainer.val_before_train=false",
+                "actor_rollout_ref.actor.optim.warmup_ratio=0",
+            ],
+        )
+        with grpc.insecure_channel(learner.grpc_address) as channel:
+            stub = learner_pb2_grpc.LearnerStub(channel)
+            wait_until(lambda: stub.GetStatus(common_pb2.Empty()).step >= 1, 300, "the first step")
+            paused = stub.Pause(common_pb2.Empty())
+            assert paused.paused
+            wait_until(
+                lambda: stub.GetStatus(common_pb2.Empty()).phase == learner_pb2.LEARNER_PHASE_PAUSED,
+                120,
+                "the learner to hold",
+            )
+            held = stub.GetStatus(common_pb2.Empty()).step
+            saved = stub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=120)
+            assert saved.step == held and Path(saved.path).name == f"global_step_{held}"
+            assert stub.GetStatus(common_pb2.Empty()).step == held  # still holding
+            update = stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(lr=3e-5, entropy_coeff=0.01))
+            assert update.applies_from_step == held + 1
+            assert update.values["actor_rollout_ref.actor.optim.lr"] == pytest.approx(3e-5)
+            with pytest.raises(grpc.RpcError) as bad:
+                stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(lr=-1.0))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lr=-1.0" in bad.value.details()
+            stub.Resume(common_pb2.Empty())
+            wait_until(lambda: stub.GetStatus(common_pb2.Empty()).step > held, 300, "training to go on")
+            status = stub.GetStatus(common_pb2.Empty())
+            assert status.metrics["actor/lr"] == pytest.approx(3e-5)
+            stub.Stop(learner_pb2.StopRequest(checkpoint=True))
+        assert learner.process.popen.wait(timeout=300) == 0, learner.process.log_tail(40)
+        last = latest_checkpoint(str(run_dir))
+        assert last is not None and int(last.rsplit("_", 1)[1]) > held
