@@ -114,7 +114,8 @@ def follow(trainer: Any) -> None:
         if kind == "stop":
             return
         if kind == "train":
-            trainer.update_hyperparams(**command[3])
+            if command[3]:
+                trainer.update_hyperparams(**command[3])
             trainer.train_step(command[1], command[2])
         elif kind == "push":
             for _ in trainer.named_weights_for_push(command[1]):
@@ -256,7 +257,8 @@ class TrainingLoop:
         if kind == "train":
             batch, hparams = args
             self.followers.send(("train", batch, self.kl_ctrl, hparams))
-            self.trainer.update_hyperparams(**hparams)
+            if hparams:
+                self.trainer.update_hyperparams(**hparams)
             return self.trainer.train_step(batch, self.kl_ctrl)
         if kind == "save":
             path, extra = args

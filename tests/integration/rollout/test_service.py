@@ -32,33 +32,54 @@ def stack(tmp_path_factory, models):
     model, _ = models
     with ProcessLauncher(tmp_path_factory.mktemp("rollout-stack"), stop_grace_s=20) as launcher:
         redis = launcher.start_redis()
-        common = [f"rlmesh.run_id={RUN}", f"rlmesh.redis_url={redis.url}", f"actor_rollout_ref.model.path={model}",
-                  "rlmesh.log_format=text"]
-        reward = launcher.start_service("reward", overrides=[*common, "rlmesh.reward.port=0",
-                                                             "rlmesh.reward.metrics_port=0"])
-        reference = launcher.start_service("reference", overrides=[*common, "rlmesh.reference.port=0",
-                                                                   "rlmesh.reference.metrics_port=0"])
+        common = [
+            f"rlmesh.run_id={RUN}",
+            f"rlmesh.redis_url={redis.url}",
+            f"actor_rollout_ref.model.path={model}",
+            "rlmesh.log_format=text",
+        ]
+        reward = launcher.start_service(
+            "reward", overrides=[*common, "rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
+        )
+        reference = launcher.start_service(
+            "reference", overrides=[*common, "rlmesh.reference.port=0", "rlmesh.reference.metrics_port=0"]
+        )
         overrides = [
-            *common, "rlmesh.rollout.port=0", "rlmesh.rollout.metrics_port=0",
+            *common,
+            "rlmesh.rollout.port=0",
+            "rlmesh.rollout.metrics_port=0",
             f"rlmesh.reward.addresses=['{reward.grpc_address}']",
             f"rlmesh.reference.addresses=['{reference.grpc_address}']",
-            "algorithm.use_kl_in_reward=true", "rlmesh.queue.claim_idle_ms=1500", "rlmesh.queue.heartbeat_ttl_s=3",
-            "actor_rollout_ref.rollout.response_length=16", "actor_rollout_ref.rollout.ignore_eos=true",
+            "algorithm.use_kl_in_reward=true",
+            "rlmesh.queue.claim_idle_ms=1500",
+            "rlmesh.queue.heartbeat_ttl_s=3",
+            "actor_rollout_ref.rollout.response_length=16",
+            "actor_rollout_ref.rollout.ignore_eos=true",
         ]
         yield launcher, redis, overrides
 
 
 def start_replica(launcher, overrides, name):
-    return launcher.start_service("rollout", name=name, overrides=[*overrides, f"rlmesh.sampler.replica_id={name}"],
-                                  timeout_s=180)
+    return launcher.start_service(
+        "rollout", name=name, overrides=[*overrides, f"rlmesh.sampler.replica_id={name}"], timeout_s=180
+    )
 
 
 def task(uid, n=2, max_new_tokens=None):
     sp = common_pb2.SamplingParams()
     if max_new_tokens:
         sp.max_new_tokens = max_new_tokens
-    return trajectory_pb2.PromptTask(uid=uid, group_uid=uid, n=n, prompt_ids=[30, 31, 32], prompt_text="What is 1+1?",
-                                     ground_truth="2", data_source="arithmetic", step=1, sampling_params=sp)
+    return trajectory_pb2.PromptTask(
+        uid=uid,
+        group_uid=uid,
+        n=n,
+        prompt_ids=[30, 31, 32],
+        prompt_text="What is 1+1?",
+        ground_truth="2",
+        data_source="arithmetic",
+        step=1,
+        sampling_params=sp,
+    )
 
 
 async def collect(redis, want, timeout_s=120):
@@ -92,12 +113,24 @@ async def test_replica_registers_serves_tasks_and_answers_rpcs(stack):
             stub = rollout_pb2_grpc.RolloutStub(ch)
             info = await stub.GetInfo(common_pb2.Empty())
             assert info.replica_id == "replica-a" and info.tasks_done == 2 and info.state == "serving"
-            out = await stub.Generate(rollout_pb2.GenerateRequest(
-                inputs=[rollout_pb2.GenerateInput(uid="x", prompt_ids=[1, 2, 3])],
-                sampling_params=common_pb2.SamplingParams(max_new_tokens=4, temperature=0), return_logprob=True))
-            assert len(out.outputs) == 1 and len(out.outputs[0].output_ids) == 4 and len(out.outputs[0].output_log_probs) == 4
+            out = await stub.Generate(
+                rollout_pb2.GenerateRequest(
+                    inputs=[rollout_pb2.GenerateInput(uid="x", prompt_ids=[1, 2, 3])],
+                    sampling_params=common_pb2.SamplingParams(max_new_tokens=4, temperature=0),
+                    return_logprob=True,
+                )
+            )
+            assert (
+                len(out.outputs) == 1
+                and len(out.outputs[0].output_ids) == 4
+                and len(out.outputs[0].output_log_probs) == 4
+            )
             with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await stub.Generate(rollout_pb2.GenerateRequest(inputs=[rollout_pb2.GenerateInput(uid="y", prompt_ids=[5000])]))
+                await stub.Generate(
+                    rollout_pb2.GenerateRequest(
+                        inputs=[rollout_pb2.GenerateInput(uid="y", prompt_ids=[5000])]
+                    )
+                )
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             drained = await stub.Drain(rollout_pb2.DrainRequest(timeout_s=30))
             assert drained.drained and drained.unfinished == 0
