@@ -113,6 +113,27 @@ def run_stack(
                 f"{model_path} for this check",
                 flush=True,
             )
+        train_files = (
+            cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
+        )
+        if not all(Path(f).expanduser().exists() for f in train_files):
+            from rlmesh.data import generate_arithmetic
+
+            data = generate_arithmetic(
+                launcher.workdir / "data",
+                0,
+                train_size=64,
+                val_size=16,
+                min_terms=2,
+                max_terms=2,
+                max_operand=20,
+                ops="+",
+            )
+            common += [f"data.train_files={data['train']}", f"data.val_files={data['test']}"]
+            print(
+                f"[rlmesh up] no data at {train_files[0]}: wrote a small arithmetic set in {data['train'].parent}",
+                flush=True,
+            )
         started: list[ServiceInstance] = []
         try:
             for name in names:
