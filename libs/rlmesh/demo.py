@@ -225,7 +225,11 @@ def run(args: argparse.Namespace) -> int:
     return summarize(args, prepared, run_dir, run_id, t_train, overrides)
 
 
-def train(launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir: Path) -> int:
+def train(
+    launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir: Path, before_stop: Any = None
+) -> int:
+    """Starts every service, follows the learner until it exits; ``before_stop(endpoints)`` runs
+    while the other services are still up (benchmarks read their counters there)."""
     import grpc
 
     from rlmesh.runtime.launcher import LaunchError
@@ -248,6 +252,7 @@ def train(launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir
             f"rlmesh.reward.addresses=['{services['reward'].grpc_address}']",
             f"rlmesh.reference.addresses=['{services['reference'].grpc_address}']",
         ]
+        replicas = []
         for i in range(args.replicas):
             replica = launcher.start_service(
                 "rollout",
@@ -263,6 +268,7 @@ def train(launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir
                 timeout_s=300,
             )
             say(f"rollout-{i:<4} {replica.grpc_address} (pid {replica.process.pid}, embedded engine)")
+            replicas.append(replica.grpc_address)
         learner = launcher.start_service(
             "learner",
             config_path=config,
@@ -303,7 +309,10 @@ def train(launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir
             shown = 0
         time.sleep(1.0)
     channel.close()
-    return learner.process.popen.wait()
+    code = learner.process.popen.wait()
+    if before_stop is not None:
+        before_stop({"rollouts": replicas, "reference_metrics_port": services["reference"].metrics_port})
+    return code
 
 
 def summarize(
@@ -395,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", default="+")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--sft-epochs", type=int, default=22)
+    p.add_argument("--sft-epochs", type=int, default=16)
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("overrides", nargs="*", help="config overrides for every service")
     return p

@@ -93,6 +93,7 @@ class BatchEngine:
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self.tokens_generated = 0
         self.steps = 0
+        self.busy_s = 0.0  # time spent in model forwards (prefill + decode), for overhead accounting
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- control, from any thread -----
@@ -171,10 +172,12 @@ class BatchEngine:
                     return
             try:
                 with self._model_lock:
+                    start = time.perf_counter()
                     self._reap_aborted()
                     self._admit()
                     if self._rows:
                         self._decode()
+                    self.busy_s += time.perf_counter() - start
             except Exception as e:  # never let one bad batch kill the engine thread
                 log.exception("engine step failed; aborting the running batch")
                 self._fail_all(f"engine error: {e}")

@@ -57,6 +57,9 @@ class EngineMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
         self.running = Gauge("rlmesh_engine_running_sequences", "Sequences decoding now", registry=registry)
+        self.busy = Gauge(
+            "rlmesh_engine_busy_seconds", "Seconds spent in model forwards since start", registry=registry
+        )
         self.waiting = Gauge(
             "rlmesh_engine_waiting_sequences", "Sequences waiting for a batch slot", registry=registry
         )
@@ -240,6 +243,7 @@ def create_app(
             "paused": engine.paused,
             "weight_version": engine.weight_version,
             "tokens_generated": engine.tokens_generated,
+            "busy_s": engine.busy_s,
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -367,6 +371,7 @@ def create_app(
     async def prometheus() -> Any:
         metrics.running.set(engine.running)
         metrics.waiting.set(engine.waiting)
+        metrics.busy.set(engine.busy_s)
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     return app

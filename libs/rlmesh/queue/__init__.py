@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis.asyncio as aioredis
 
 from rlmesh.queue.client import connect, retry_forever
@@ -16,52 +18,32 @@ LEARNER_GROUP = "learner"
 
 
 def prompt_queue(
-    redis: aioredis.Redis,
-    keys: RunKeys,
-    consumer: str,
-    *,
-    maxlen: int = 100_000,
-    max_deliveries: int = 3,
-    claim_idle_ms: int = 60_000,
-    metrics: QueueMetrics | None = None,
+    redis: aioredis.Redis, keys: RunKeys, consumer: str, **kw: Any
 ) -> StreamQueue[trajectory_pb2.PromptTask]:
-    """The prompt stream: the learner puts, rollout replicas claim as the ``rollout`` group."""
-    return StreamQueue(
-        redis,
-        keys.prompts,
-        ROLLOUT_GROUP,
-        consumer,
-        trajectory_pb2.PromptTask,
-        maxlen=maxlen,
-        dead_letter_stream=keys.dead_letters,
-        max_deliveries=max_deliveries,
-        claim_idle_ms=claim_idle_ms,
-        metrics=metrics,
-    )
+    """The prompt stream: the learner puts, rollout replicas claim as the ``rollout`` group.
+    Keyword arguments (maxlen, max_deliveries, claim_idle_ms, metrics) go to ``StreamQueue``."""
+    return _run_stream(redis, keys.prompts, ROLLOUT_GROUP, consumer, trajectory_pb2.PromptTask, keys, kw)
 
 
 def trajectory_queue(
-    redis: aioredis.Redis,
-    keys: RunKeys,
-    consumer: str,
-    *,
-    maxlen: int = 100_000,
-    max_deliveries: int = 3,
-    claim_idle_ms: int = 60_000,
-    metrics: QueueMetrics | None = None,
+    redis: aioredis.Redis, keys: RunKeys, consumer: str, **kw: Any
 ) -> StreamQueue[trajectory_pb2.Trajectory]:
     """The trajectory stream: rollout replicas put, the learner claims as the ``learner`` group."""
+    return _run_stream(redis, keys.trajectories, LEARNER_GROUP, consumer, trajectory_pb2.Trajectory, keys, kw)
+
+
+def _run_stream(
+    redis: aioredis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    message_type: Any,
+    keys: RunKeys,
+    kw: dict[str, Any],
+) -> Any:
+    kw.setdefault("maxlen", 100_000)
     return StreamQueue(
-        redis,
-        keys.trajectories,
-        LEARNER_GROUP,
-        consumer,
-        trajectory_pb2.Trajectory,
-        maxlen=maxlen,
-        dead_letter_stream=keys.dead_letters,
-        max_deliveries=max_deliveries,
-        claim_idle_ms=claim_idle_ms,
-        metrics=metrics,
+        redis, stream, group, consumer, message_type, dead_letter_stream=keys.dead_letters, **kw
     )
 
 
