@@ -227,6 +227,16 @@ def run(args: argparse.Namespace) -> int:
     return summarize(args, prepared, run_dir, run_id, t_train, ppo_s, overrides)
 
 
+def print_step(step: int, total: int, m: dict[str, float], elapsed_s: float) -> None:
+    val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
+    print(
+        f"[demo] step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
+        f"kl {m.get('actor/reward_kl_penalty', 0):+.4f}  val acc {val}  "
+        f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  [{elapsed_s:.0f} s]",
+        flush=True,
+    )
+
+
 def train(
     launcher: Any, args: argparse.Namespace, overrides: list[str], run_dir: Path, before_stop: Any = None
 ) -> int:
@@ -294,15 +304,7 @@ def train(
             continue
         if st.step != shown and st.step > 0:
             shown = st.step
-            m = st.metrics
-            val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
-            print(
-                f"[demo] step {st.step:>3}/{st.total_steps}  reward {m.get('critic/score/mean', 0):.3f}  "
-                f"kl {m.get('actor/reward_kl_penalty', 0):+.4f}  val acc {val}  "
-                f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
-                f"[{time.monotonic() - started:.0f} s]",
-                flush=True,
-            )
+            print_step(st.step, st.total_steps, dict(st.metrics), time.monotonic() - started)
         elif st.step == 0 and shown == -1:
             say(
                 f"learner: {learner_pb2.LearnerPhase.Name(st.phase).removeprefix('LEARNER_PHASE_').lower()}"
@@ -312,6 +314,10 @@ def train(
         time.sleep(1.0)
     channel.close()
     code = learner.process.popen.wait()
+    # The learner may finish between two polls: show the steps the progress line missed.
+    for row in read_metrics(run_dir / "checkpoints" / "metrics.jsonl"):
+        if row["step"] > max(shown, 0) and "timing_s/step" in row:
+            print_step(int(row["step"]), int(args.steps), row, time.monotonic() - started)
     if before_stop is not None:
         before_stop({"rollouts": replicas, "reference_metrics_port": services["reference"].metrics_port})
     return code
