@@ -82,6 +82,14 @@ def task(uid, n=2, max_new_tokens=None):
     )
 
 
+async def eventually(read, expected, what, timeout_s=30):
+    """Polls ``await read()`` until it returns ``expected``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (value := await read()) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"waiting for {what}: still {value!r}"
+        await asyncio.sleep(0.02)
+
+
 async def collect(redis, want, timeout_s=120):
     learner = trajectory_queue(redis, RunKeys(RUN), "learner")
     await learner.ensure_group()
@@ -111,8 +119,13 @@ async def test_replica_registers_serves_tasks_and_answers_rpcs(stack):
         assert all(t.replica_id == "replica-a" and not t.HasField("error") for t in trajs)
         async with grpc.aio.insecure_channel(replica.grpc_address) as ch:
             stub = rollout_pb2_grpc.RolloutStub(ch)
+
+            async def tasks_done():
+                return (await stub.GetInfo(common_pb2.Empty())).tasks_done
+
+            await eventually(tasks_done, 2, "both tasks to be acked")  # the ack follows the publish
             info = await stub.GetInfo(common_pb2.Empty())
-            assert info.replica_id == "replica-a" and info.tasks_done == 2 and info.state == "serving"
+            assert info.replica_id == "replica-a" and info.state == "serving"
             out = await stub.Generate(
                 rollout_pb2.GenerateRequest(
                     inputs=[rollout_pb2.GenerateInput(uid="x", prompt_ids=[1, 2, 3])],
@@ -169,7 +182,7 @@ async def test_a_replica_killed_mid_task_leaves_it_to_another(stack):
         trajs = await collect(redis, 4)
         assert sorted(t.uid for t in trajs) == ["slow-1/0", "slow-1/1", "slow-2/0", "slow-2/1"]
         assert {t.replica_id for t in trajs} == {"rescuer"}
-        assert await prompts.length() == 0
+        await eventually(lambda: prompts.length(), 0, "the rescued tasks to be acked")
         launcher.stop(rescuer.process)
         if engine_pid is not None:
             wait_until(lambda: not pid_alive(engine_pid), 30, "the killed replica's engine to exit")
