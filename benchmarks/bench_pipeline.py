@@ -7,9 +7,8 @@ and reports, from the services' own timings:
 - per-stage throughput: generated tokens/s, learner forward and update tokens/s, push time;
 - orchestration overhead: the share of step wall time not spent in model compute, where model
   compute = the learner's forwards, updates and weight push (its timing_s/*) + the busiest
-  engine's forward time (each engine's busy_s) + the reference's forward time. On 2 cores the
-  processes compete for the same cores, so their compute adds up rather than overlapping.
-  Target: <= 10%.
+  engine's forward time (each engine's busy_s). The reference's time is not counted (its timer
+  runs per call and calls overlap), so the figure is an upper bound. Target: <= 10%.
 """
 
 from __future__ import annotations
@@ -107,7 +106,9 @@ def main() -> int:
             "timing_s/ref",
         )
     )
-    compute = learner + counters["engine_busy_max_s"] + counters["reference_s"]
+    # The reference's compute timer runs per call and calls overlap, so its sum can exceed the wall
+    # time: it is reported, not counted. The overhead below is therefore an upper bound.
+    compute = learner + counters["engine_busy_max_s"]
     overhead = max(0.0, 1 - compute / wall)
     print()
     print(f"  pipeline benchmark: {len(rows)} PPO steps, {wall:.1f} s of step wall time")

@@ -9,7 +9,6 @@ reverse start order, waits up to the grace period, then SIGKILLs what is left.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -42,9 +41,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# Runs first in every child: asks the kernel to SIGTERM it when the launcher dies, then becomes
+# the real program (execvp keeps the setting). A preexec_fn would do the same between fork and
+# exec, but that is unsafe in a threaded launcher (gRPC and asyncio run threads) and can deadlock.
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ppid = int(sys.argv[1])\n"
+    "try:\n"
+    "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "if os.getppid() != ppid:\n"
+    "    sys.exit(1)  # the launcher died before the setting took: do not start orphaned\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
 @dataclass
@@ -124,13 +140,12 @@ class ProcessLauncher:
             child_env.setdefault("DS_ACCELERATOR", "cpu")
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
-                list(argv),
+                _with_parent_death_signal(argv),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=child_env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
         self.processes.append(proc)
