@@ -48,33 +48,12 @@ def reference_compute_s(port: int) -> float:
 
 def main() -> int:
     args = demo.build_parser().parse_args(
-        ["--steps", str(STEPS), "--test-freq", "0", "trainer.val_before_train=false", "trainer.save_freq=-1"]
+        ["--steps", str(STEPS), "--test-freq", "-1", "trainer.val_before_train=false", "trainer.save_freq=-1"]
     )
-    workdir = Path(args.workdir)
-    prepared = demo.prepare(
-        workdir,
-        seed=args.seed,
-        sft_epochs=args.sft_epochs,
-        sft_lr=args.sft_lr,
-        train_size=args.train_size,
-        val_size=args.val_size,
-        max_operand=args.max_operand,
-        ops=args.ops,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-    )
+    prepared = demo.prepare_from_args(args)
     run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = workdir / run_id
-    overrides = [
-        f"actor_rollout_ref.model.path={prepared.sft_model}",
-        f"data.train_files={prepared.train}",
-        f"data.val_files={prepared.test}",
-        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
-        f"trainer.total_training_steps={STEPS}",
-        "trainer.test_freq=-1",
-        f"rlmesh.run_id={run_id}",
-        *args.overrides,
-    ]
+    run_dir = Path(args.workdir) / run_id
+    overrides = demo.run_overrides(args, prepared, run_dir, run_id)
     counters: dict[str, float] = {}
 
     def read_counters(endpoints: dict) -> None:

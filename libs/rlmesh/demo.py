@@ -183,13 +183,9 @@ def stage_rates(rows: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    from rlmesh.runtime.launcher import ProcessLauncher
-
-    t_start = time.monotonic()
-    workdir = Path(args.workdir)
-    prepared = prepare(
-        workdir,
+def prepare_from_args(args: argparse.Namespace) -> Prepared:
+    return prepare(
+        Path(args.workdir),
         seed=args.seed,
         sft_epochs=args.sft_epochs,
         sft_lr=args.sft_lr,
@@ -200,8 +196,10 @@ def run(args: argparse.Namespace) -> int:
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
     )
-    run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    run_dir = workdir / run_id
+
+
+def run_overrides(args: argparse.Namespace, prepared: Prepared, run_dir: Path, run_id: str) -> list[str]:
+    """The config overrides every service of one demo run gets."""
     overrides = [
         f"actor_rollout_ref.model.path={prepared.sft_model}",
         f"data.train_files={prepared.train}",
@@ -215,6 +213,17 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.max_staleness > 0:
         overrides.append("algorithm.rollout_correction.rollout_is=token")
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlmesh.runtime.launcher import ProcessLauncher
+
+    t_start = time.monotonic()
+    prepared = prepare_from_args(args)
+    run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_dir = Path(args.workdir) / run_id
+    overrides = run_overrides(args, prepared, run_dir, run_id)
     say(f"run {run_id}: logs and metrics in {run_dir}")
     t_ppo = time.monotonic()
     with ProcessLauncher(run_dir, stop_grace_s=30) as launcher:
