@@ -2,7 +2,9 @@
 (small servicers defined here: the sampler must work with any service that speaks the protos)."""
 
 import asyncio
+import contextlib
 import uuid
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -159,23 +161,55 @@ async def collect(redis, keys, want, timeout_s=60):
     return got
 
 
-async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, model_dir):
+@pytest.fixture(scope="module")
+def reference_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@contextlib.asynccontextmanager
+async def running_sampler(stack, reference_model, *, reward_up=True):
+    """A sampler on the real engine with fresh queues, a reference server and (unless
+    ``reward_up=False``) a reward server on ``ctx.reward_port``; everything stops on exit,
+    servers the test appended to ``ctx.servers`` included."""
     redis_server, engine = stack
     keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    reward = await start_server(LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward")
-    reference = await start_server(
-        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
-    )
+    reward_port = free_port()
+    servers = [
+        await start_server(
+            ModelReference(reference_model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
+        )
+    ]
+    if reward_up:
+        servers.append(
+            await start_server(
+                LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=reward_port
+            )
+        )
     sampler, redis, chans = await make_sampler(
-        redis_server.url, engine.url, keys, reward.address, reference.address
+        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", servers[0].address
     )
     runner = asyncio.create_task(sampler.run())
+    prompts = prompt_queue(redis, keys, "learner")
+    await prompts.ensure_group()
+    ctx = SimpleNamespace(
+        sampler=sampler, redis=redis, keys=keys, prompts=prompts, reward_port=reward_port, servers=servers
+    )
     try:
-        prompts = prompt_queue(redis, keys, "learner")
-        await prompts.ensure_group()
-        await prompts.put([task("a", n=3), task("b", n=2, prompt=(9, 10), sample_offset=2)])
-        trajs = await collect(redis, keys, 5)
+        yield ctx
+    finally:
+        await sampler.stop(5)
+        runner.cancel()
+        for server in ctx.servers:
+            await server.stop()
+        for ch in chans:
+            await ch.close()
+        await redis.aclose()
+
+
+async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, reference_model):
+    async with running_sampler(stack, reference_model) as ctx:
+        await ctx.prompts.put([task("a", n=3), task("b", n=2, prompt=(9, 10), sample_offset=2)])
+        trajs = await collect(ctx.redis, ctx.keys, 5)
         by_uid = {t.uid: t for t in trajs}
         assert sorted(by_uid) == ["g-a/0", "g-a/1", "g-a/2", "g-b/2", "g-b/3"]
         for t in trajs:
@@ -190,95 +224,44 @@ async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, m
             assert max(abs(a - b) for a, b in zip(t.rollout_log_probs, t.ref_log_probs, strict=True)) < 1e-4
         # Acked right after publishing: the prompt stream empties.
         deadline = asyncio.get_running_loop().time() + 30
-        while await prompts.length():
+        while await ctx.prompts.length():
             assert asyncio.get_running_loop().time() < deadline, "prompt tasks were never acked"
             await asyncio.sleep(0.02)
-    finally:
-        await sampler.stop(5)
-        runner.cancel()
-        await reward.stop()
-        await reference.stop()
-        for ch in chans:
-            await ch.close()
-        await redis.aclose()
 
 
-async def test_a_reward_outage_stalls_trajectories_and_loses_none(stack, model_dir):
-    redis_server, engine = stack
-    keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    reward_port = free_port()
-    reference = await start_server(
-        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
-    )
-    sampler, redis, chans = await make_sampler(
-        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", reference.address
-    )
-    runner = asyncio.create_task(sampler.run())
-    reward = None
-    try:
-        prompts = prompt_queue(redis, keys, "learner")
-        await prompts.ensure_group()
-        await prompts.put([task("x", n=2), task("y", n=2)])
+async def test_a_reward_outage_stalls_trajectories_and_loses_none(stack, reference_model):
+    async with running_sampler(stack, reference_model, reward_up=False) as ctx:
+        await ctx.prompts.put([task("x", n=2), task("y", n=2)])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        while sampler.metrics.retries.labels("reward")._value.get() < 4:
+        while ctx.sampler.metrics.retries.labels("reward")._value.get() < 4:
             assert loop.time() < deadline, "the sampler never retried the missing reward service"
             await asyncio.sleep(0.05)
-        assert sampler.reward_breaker.consecutive_failures >= 3  # the breaker opened
-        assert (
-            await redis.xlen(keys.trajectories) == 0 and await prompts.length() == 2
-        )  # stalled, not dropped
-        reward = await start_server(
-            LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=reward_port
+        assert ctx.sampler.reward_breaker.consecutive_failures >= 3  # the breaker opened
+        # stalled, not dropped
+        assert await ctx.redis.xlen(ctx.keys.trajectories) == 0 and await ctx.prompts.length() == 2
+        ctx.servers.append(
+            await start_server(
+                LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=ctx.reward_port
+            )
         )
-        trajs = await collect(redis, keys, 4)
+        trajs = await collect(ctx.redis, ctx.keys, 4)
         assert sorted(t.uid for t in trajs) == ["g-x/0", "g-x/1", "g-y/0", "g-y/1"]
-        while await prompts.length():
+        while await ctx.prompts.length():
             assert loop.time() < deadline
             await asyncio.sleep(0.05)
-    finally:
-        await sampler.stop(5)
-        runner.cancel()
-        if reward:
-            await reward.stop()
-        await reference.stop()
-        for ch in chans:
-            await ch.close()
-        await redis.aclose()
 
 
-async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, model_dir):
-    redis_server, engine = stack
-    keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
-    reward = await start_server(LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    reference = await start_server(
-        ModelReference(model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
-    )
-    sampler, redis, chans = await make_sampler(
-        redis_server.url, engine.url, keys, reward.address, reference.address
-    )
-    runner = asyncio.create_task(sampler.run())
-    try:
-        prompts = prompt_queue(redis, keys, "learner")
-        await prompts.ensure_group()
-        await prompts.put([task("bad", prompt=(5, 100000)), task("good", n=1)])
-        trajs = await collect(redis, keys, 1)
+async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, reference_model):
+    async with running_sampler(stack, reference_model) as ctx:
+        await ctx.prompts.put([task("bad", prompt=(5, 100000)), task("good", n=1)])
+        trajs = await collect(ctx.redis, ctx.keys, 1)
         assert [t.uid for t in trajs] == ["g-good/0"]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
-        while await redis.xlen(keys.dead_letters) == 0:
+        while await ctx.redis.xlen(ctx.keys.dead_letters) == 0:
             assert loop.time() < deadline
             await asyncio.sleep(0.05)
-        ((_, fields),) = await redis.xrange(keys.dead_letters)
+        ((_, fields),) = await ctx.redis.xrange(ctx.keys.dead_letters)
         assert b"token ids must be integers in [0, 100)" in fields[b"reason"]
         assert trajectory_pb2.PromptTask.FromString(fields[b"p"]).uid == "bad"
-    finally:
-        await sampler.stop(5)
-        runner.cancel()
-        await reward.stop()
-        await reference.stop()
-        for ch in chans:
-            await ch.close()
-        await redis.aclose()
