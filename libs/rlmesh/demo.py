@@ -328,7 +328,13 @@ def train(
         if row["step"] > max(shown, 0) and "timing_s/step" in row:
             print_step(int(row["step"]), int(args.steps), row, time.monotonic() - started)
     if before_stop is not None:
-        before_stop({"rollouts": replicas, "reference_metrics_port": services["reference"].metrics_port})
+        before_stop(
+            {
+                "rollouts": replicas,
+                "reference": services["reference"].grpc_address,
+                "reference_metrics_port": services["reference"].metrics_port,
+            }
+        )
     return code
 
 

@@ -5,7 +5,8 @@ A thin shell over ``rlmesh.reference.ReferenceModel``. The model is ``actor_roll
 micro-batches of at most ``actor_rollout_ref.ref.log_prob_max_token_len_per_gpu`` padded tokens (and
 ``ref.log_prob_micro_batch_size_per_gpu`` rows when set); logits are divided by
 ``actor_rollout_ref.rollout.temperature`` as in verl. Forwards run one at a time in a worker thread,
-so health stays responsive. A model that does not load stops the service at start (exit 2), except
+so health stays responsive. GetInfo says when they ran (``busy_s``, also the counter
+``rlmesh_reference_busy_seconds_total``, and ``busy_intervals`` in wall-clock seconds). A model that does not load stops the service at start (exit 2), except
 when the path does not exist and the config uses no reference (no KL in reward or loss): then it
 starts without one and answers LogProbs with FAILED_PRECONDITION.
 
@@ -33,6 +34,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from rlmesh.config import RLMeshConfig
+from rlmesh.runtime.busy import BusySecondsCollector, BusyTracker
 from rlmesh.runtime.entry import service_main
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import common_pb2, reference_pb2, reference_pb2_grpc
@@ -49,7 +51,7 @@ log = logging.getLogger("rlmesh.reference")
 
 
 class ReferenceMetrics:
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, busy: BusyTracker) -> None:
         self.samples = Counter("rlmesh_reference_samples", "samples answered", registry=registry)
         self.tokens = Counter(
             "rlmesh_reference_tokens", "prompt + response tokens of samples answered", registry=registry
@@ -64,6 +66,12 @@ class ReferenceMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=registry,
         )
+        # Calls overlap (they queue for the model), so the histogram's sum is no busy time: this is.
+        registry.register(
+            BusySecondsCollector(
+                busy, "rlmesh_reference_busy_seconds", "wall seconds with at least one forward running"
+            )
+        )
 
 
 class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
@@ -77,9 +85,11 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
         max_tokens: int,
         max_batch_size: int,
         metrics: ReferenceMetrics,
+        busy: BusyTracker,
         missing_reason: str = "",
     ) -> None:
         self.model = model  # a ReferenceModel, or None when the service runs without one
+        self.busy = busy  # the model's forwards (``model.busy``)
         self.model_path = model_path
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
@@ -146,6 +156,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
             vocab_size=model.vocab_size if model is not None else 0,
             max_tokens_per_batch=self.max_tokens,
             max_batch_size=self.max_batch_size,
+            busy_s=self.busy.busy_s,
+            busy_intervals=[t for interval in self.busy.intervals() for t in interval],
         )
 
 
@@ -229,6 +241,7 @@ def make_build(options: argparse.Namespace):  # type: ignore[no-untyped-def]
                 "uses no KL to the reference, so the service started without one)"
             )
             log.warning(missing)
+        busy = model.busy if model is not None else BusyTracker()
         servicer = ReferenceServicer(
             model,
             model_path=path,
@@ -236,7 +249,8 @@ def make_build(options: argparse.Namespace):  # type: ignore[no-untyped-def]
             timeout_s=cfg.rlmesh.reference.timeout_s,
             max_tokens=max_tokens,
             max_batch_size=options.max_batch_size,
-            metrics=ReferenceMetrics(service.registry),
+            metrics=ReferenceMetrics(service.registry, busy),
+            busy=busy,
             missing_reason=missing,
         )
         service.add_servicer(reference_pb2_grpc.add_ReferenceServicer_to_server, servicer, SERVICE_NAME)

@@ -184,7 +184,8 @@ class PPOTrainer:
         entropy, grad_norm, lr, kl_loss}``, ``critic/{vf_loss, vf_clipfrac, grad_norm, lr}``,
         ``critic/{score, rewards, advantages, returns, values}/{mean, max, min}``,
         ``actor/reward_kl_penalty{,_coeff}`` (KL in the reward), ``response_length/{mean, clip_ratio}``,
-        ``timing_s/{old_log_prob, values, adv, update_critic, update_actor}``, ``rollout_corr/*``,
+        ``timing_s/{old_log_prob, values, adv, update_critic, update_actor}`` (seconds) with
+        ``timing_start/*`` (when each began, Unix seconds), ``rollout_corr/*``,
         ``training/rollout_logprob_abs_diff``, and ``{actor,critic}/skipped_steps`` (this step),
         ``training/skipped_steps`` (the run).
 
@@ -300,9 +301,12 @@ class PPOTrainer:
 
     @contextmanager
     def _timed(self, timing: dict[str, float], name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        """``timing_s/<name>``: seconds; ``timing_start/<name>``: when it began (``time.time()``),
+        so a benchmark can place the learner's compute among other processes'."""
+        wall, start = time.time(), time.perf_counter()
         yield
         timing[f"timing_s/{name}"] = time.perf_counter() - start
+        timing[f"timing_start/{name}"] = wall
 
     # ------------------------------------------------------------------ control
 

@@ -17,6 +17,7 @@ import torch
 
 from rlmesh.algo import logprobs_from_logits
 from rlmesh.reference.batching import plan_micro_batches
+from rlmesh.runtime.busy import BusyTracker
 
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 1024
@@ -99,7 +100,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 class ReferenceModel:
     """The frozen reference policy with its limits; ``log_probs`` is safe to call from one thread
-    at a time (a lock makes sure of it)."""
+    at a time (a lock makes sure of it). ``busy`` records when its forwards run (``BusyTracker``)."""
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class ReferenceModel:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         pad_token_id: int | None = None,
         temperature: float = 1.0,
+        busy: BusyTracker | None = None,
     ) -> None:
         self.model = model.eval()
         for param in self.model.parameters():
@@ -132,6 +134,7 @@ class ReferenceModel:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._lock = threading.Lock()
+        self.busy = busy if busy is not None else BusyTracker()
 
     @classmethod
     def load(
@@ -213,7 +216,7 @@ class ReferenceModel:
     ) -> list[list[float]]:
         """Validated log-probs, one list per sample (blocking: run it in a thread from asyncio)."""
         self.validate(samples)
-        with self._lock:
+        with self._lock, self.busy.busy():
             return compute_ref_log_probs(
                 self.model,
                 [list(s.prompt_ids) for s in samples],

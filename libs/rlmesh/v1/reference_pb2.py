@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlmesh/v1/reference.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"G\n\x0eLogProbsSample\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x03 \x03(\x05\"=\n\x0fLogProbsRequest\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.LogProbsSample\"W\n\x0eLogProbsResult\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x11\n\tlog_probs\x18\x02 \x03(\x02\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\">\n\x10LogProbsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.LogProbsResult\"|\n\rReferenceInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1c\n\x14max_tokens_per_batch\x18\x04 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x32\x87\x01\n\tReference\x12\x43\n\x08LogProbs\x12\x1a.rlmesh.v1.LogProbsRequest\x1a\x1b.rlmesh.v1.LogProbsResponse\x12\x35\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.ReferenceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlmesh/v1/reference.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"G\n\x0eLogProbsSample\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x03 \x03(\x05\"=\n\x0fLogProbsRequest\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.LogProbsSample\"W\n\x0eLogProbsResult\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x11\n\tlog_probs\x18\x02 \x03(\x02\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\">\n\x10LogProbsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.LogProbsResult\"\xa4\x01\n\rReferenceInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1c\n\x14max_tokens_per_batch\x18\x04 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x0e\n\x06\x62usy_s\x18\x06 \x01(\x01\x12\x16\n\x0e\x62usy_intervals\x18\x07 \x03(\x01\x32\x87\x01\n\tReference\x12\x43\n\x08LogProbs\x12\x1a.rlmesh.v1.LogProbsRequest\x1a\x1b.rlmesh.v1.LogProbsResponse\x12\x35\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.ReferenceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBSRESULT']._serialized_end=287
   _globals['_LOGPROBSRESPONSE']._serialized_start=289
   _globals['_LOGPROBSRESPONSE']._serialized_end=351
-  _globals['_REFERENCEINFO']._serialized_start=353
-  _globals['_REFERENCEINFO']._serialized_end=477
-  _globals['_REFERENCE']._serialized_start=480
-  _globals['_REFERENCE']._serialized_end=615
+  _globals['_REFERENCEINFO']._serialized_start=354
+  _globals['_REFERENCEINFO']._serialized_end=518
+  _globals['_REFERENCE']._serialized_start=521
+  _globals['_REFERENCE']._serialized_end=656
 # @@protoc_insertion_point(module_scope)

@@ -40,15 +40,19 @@ class LogProbsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LogProbsResult, _Mapping]]] = ...) -> None: ...
 
 class ReferenceInfo(_message.Message):
-    __slots__ = ("model_path", "dtype", "vocab_size", "max_tokens_per_batch", "max_batch_size")
+    __slots__ = ("model_path", "dtype", "vocab_size", "max_tokens_per_batch", "max_batch_size", "busy_s", "busy_intervals")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_INTERVALS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     dtype: str
     vocab_size: int
     max_tokens_per_batch: int
     max_batch_size: int
-    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    busy_intervals: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., busy_s: _Optional[float] = ..., busy_intervals: _Optional[_Iterable[float]] = ...) -> None: ...

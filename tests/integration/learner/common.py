@@ -11,6 +11,9 @@ from rlmesh.config import RLMeshConfig, load_config
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
+# Metrics that differ from run to run: durations and wall-clock start times.
+TIMING_PREFIXES = ("timing_s/", "timing_start/")
+
 VOCAB = 100  # the char-level tokenizer's vocabulary (rlmesh.models.tokenizer)
 PAD = 96  # <|endoftext|>: eos and pad
 
@@ -149,7 +152,9 @@ def run_zero_case(model_dir: str | Path, stage: int, checkpoint_dir: str | Path 
         runs = []
         for _ in range(2):
             m = trainer.train_step(second)
-            runs.append(({k: v for k, v in m.items() if not k.startswith("timing_s/")}, actor_state(trainer)))
+            runs.append(
+                ({k: v for k, v in m.items() if not k.startswith(TIMING_PREFIXES)}, actor_state(trainer))
+            )
             extra = trainer.load_checkpoint(str(checkpoint_dir))
         (m1, w1), (m2, w2) = runs
         result["resumed"] = extra == {"step": 1} and m1 == m2 and all(torch.equal(w1[n], w2[n]) for n in w1)
@@ -194,7 +199,7 @@ def ckpt_trainer(model_dir: str | Path):
 def ckpt_snapshot(trainer, metrics: dict) -> dict:
     """What must be equal after resume: weights, optimizer and scheduler states, step metrics."""
     return {
-        "metrics": {k: v for k, v in metrics.items() if not k.startswith("timing_s/")},
+        "metrics": {k: v for k, v in metrics.items() if not k.startswith(TIMING_PREFIXES)},
         "actor": module_state(trainer.actor.engine),
         "critic": module_state(trainer.critic.engine),
         "actor_optim": flat_state(trainer.actor.engine.optimizer.state_dict()),

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlmesh.learner.export import export_checkpoint
 from rlmesh.runtime.launcher import free_port
 from tests.helpers import child_env
-from tests.integration.learner.common import run_uneven_case, run_zero_case
+from tests.integration.learner.common import TIMING_PREFIXES, run_uneven_case, run_zero_case
 
 WORKER = Path(__file__).with_name("zero_worker.py")
 WEIGHT_ATOL = 5e-6
@@ -51,7 +51,7 @@ def test_zero_stages_with_two_ranks_match_stage0_with_one(tiny_model_dir, tmp_pa
     for stage in (1, 2, 3):
         got = results[stage]
         for key, want in reference["metrics"].items():
-            if key.startswith("timing_s/"):
+            if key.startswith(TIMING_PREFIXES):
                 continue
             assert got["metrics"][key] == pytest.approx(want, rel=METRIC_RTOL, abs=1e-7), (stage, key)
         for part in ("actor", "critic"):
@@ -76,7 +76,7 @@ def test_zero_stages_with_two_ranks_match_stage0_with_one(tiny_model_dir, tmp_pa
     # Uneven shares (5 samples on 2 ranks, a rank with only a dummy micro-batch) under ZeRO-3.
     uneven, want = results["uneven"], run_uneven_case(tiny_model_dir, stage=0)
     for key, value in want["metrics"].items():
-        if not key.startswith("timing_s/"):
+        if not key.startswith(TIMING_PREFIXES):
             assert uneven["metrics"][key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-7), key
     for name, value in want["actor"].items():
         torch.testing.assert_close(uneven["actor"][name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)

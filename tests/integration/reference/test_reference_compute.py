@@ -80,8 +80,11 @@ def test_reference_model_validates_and_computes(tiny_model_dir):
     def s(uid, p, r):
         return reference_pb2.LogProbsSample(uid=uid, prompt_ids=p, response_ids=r)
 
+    assert ref.busy.busy_s == 0.0
     (lp,) = ref.log_probs([s("a", [1, 2, 3], [4, 5])])
     assert len(lp) == 2 and all(x < 0 for x in lp)
+    ((start, end),) = ref.busy.intervals()  # the forward counted as busy, once
+    assert ref.busy.busy_s == pytest.approx(end - start) and ref.busy.in_flight == 0
     cases = {
         "empty batch": [],
         "batch of 5 samples is over this service's max_batch_size of 4": [

@@ -1,7 +1,10 @@
 """The reference service as a real process on loopback: log-probs equal a direct forward, malformed
 requests get INVALID_ARGUMENT naming the problem, and a config without a reference model."""
 
+import asyncio
+import itertools
 import random
+import time
 
 import grpc
 import pytest
@@ -11,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.config import load_config
 from rlmesh.reference import ReferenceClient
 from rlmesh.reward import ServiceCallError
+from rlmesh.runtime.busy import union_seconds
 from rlmesh.runtime.health import scrape_metrics
 from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
 from rlmesh.v1 import reference_pb2, reference_pb2_grpc
@@ -79,6 +83,29 @@ async def test_log_probs_equal_a_direct_computation(reference, tiny_model_dir):
         ln for ln in metrics.splitlines() if ln.startswith("rlmesh_reference_micro_batches_total")
     )
     assert float(forwards.split()[-1]) > 2  # 12 samples of up to 90 tokens cannot share 128-token forwards
+
+
+async def test_get_info_and_metrics_say_when_the_forwards_ran(reference):
+    prompt, response = list(range(1, 60)), list(range(60, 99))
+    async with ReferenceClient([reference.grpc_address], timeout_s=60) as client:
+        before = await client.info()
+        t0 = time.time()
+        # Concurrent calls queue for the model: their busy time counts once, not per call.
+        await asyncio.gather(*(client.log_probs_of([prompt] * 8, [response] * 8) for _ in range(4)))
+        t1 = time.time()
+        after = await client.info()
+    flat = list(after.busy_intervals)
+    assert len(flat) % 2 == 0
+    intervals = list(zip(flat[::2], flat[1::2], strict=True))
+    assert all(a <= b for a, b in intervals)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(intervals))  # disjoint, in order
+    busy = after.busy_s - before.busy_s
+    assert 0 < busy <= t1 - t0
+    # Intervals bridge the sub-millisecond gaps between queued calls; busy_s does not.
+    assert union_seconds([intervals], t0, t1) == pytest.approx(busy, abs=0.01)
+    metrics = scrape_metrics(reference.grpc_address.rsplit(":", 1)[0], reference.metrics_port)
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("rlmesh_reference_busy_seconds_total"))
+    assert float(line.split()[-1]) >= after.busy_s
 
 
 async def test_malformed_requests_get_invalid_argument_naming_the_problem(reference):
