@@ -1,18 +1,14 @@
 """Continuous batching for HF causal LMs on CPU: the embedded engine's core.
 
-One thread owns the model. Each iteration it admits waiting sequences (one left-padded prefill
-for all of them, whose KV cache is then merged into the running batch's), decodes one token for
-every running sequence with the shared KV cache, and drops finished sequences from the batch at
-once, so a long generation never holds a short one back and newcomers join mid-flight.
-
-Rows of different lengths share one cache by left padding: ``mask`` marks real positions,
-``positions`` holds each row's next position id, so each row computes exactly what it would
-alone (up to float summation order).
+One thread owns the model. Each iteration it admits waiting sequences (one prefill for all of
+them; sequences with the same prompt share it), decodes one token for every running sequence,
+and drops finished sequences from the batch at once, so a long generation never holds a short
+one back and newcomers join mid-flight. The KV cache and forward passes live in a runner
+(``runner.py``); sampling is batched (``sampling.py``).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import threading
@@ -23,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from rlmesh.engine.sampling import SamplingParams, sample_token
+from rlmesh.engine.runner import make_runner
+from rlmesh.engine.sampling import SamplingParams, sample_tokens
+from rlmesh.runtime.busy import BusyTracker
 
 log = logging.getLogger("rlmesh.engine")
 
@@ -76,24 +74,19 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self.decode_text = decode_text
         self.weight_version = weight_version
-        self._cache_kw = (
-            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        )
+        self.runner = make_runner(self.model)
         self._cond = threading.Condition()
         self._model_lock = threading.RLock()
         self._waiting: list[Sequence] = []
         self._requests: dict[str, GenerationRequest] = {}
         self._rows: list[Sequence] = []
-        self._cache: DynamicCache | None = None
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
-        self._positions = torch.zeros(0, dtype=torch.long)
         self._last = torch.zeros(0, dtype=torch.long)
         self._paused = False
         self._stopping = False
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self.tokens_generated = 0
         self.steps = 0
-        self.busy_s = 0.0  # time spent in model forwards (prefill + decode), for overhead accounting
+        self.busy = BusyTracker()  # when the model computes (prefill, decode, sampling)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- control, from any thread -----
@@ -148,6 +141,10 @@ class BatchEngine:
         return len(targets)
 
     @property
+    def busy_s(self) -> float:
+        return self.busy.busy_s
+
+    @property
     def running(self) -> int:
         return len(self._rows)
 
@@ -171,13 +168,11 @@ class BatchEngine:
                 if self._stopping:
                     return
             try:
-                with self._model_lock:
-                    start = time.perf_counter()
+                with self._model_lock, self.busy.busy():
                     self._reap_aborted()
                     self._admit()
                     if self._rows:
                         self._decode()
-                    self.busy_s += time.perf_counter() - start
             except Exception as e:  # never let one bad batch kill the engine thread
                 log.exception("engine step failed; aborting the running batch")
                 self._fail_all(f"engine error: {e}")
@@ -188,57 +183,39 @@ class BatchEngine:
             new, self._waiting = self._waiting[:room], self._waiting[room:]
         if not new:
             return
-        lengths = [len(s.prompt_ids) for s in new]
-        width = max(lengths)
-        ids = torch.zeros(len(new), width, dtype=torch.long)
-        mask = torch.zeros(len(new), width, dtype=torch.long)
-        for r, s in enumerate(new):
-            ids[r, width - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids)
-            mask[r, width - len(s.prompt_ids) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_kw: DynamicCache(config=self.model.config)},
-        )
-        cache = out.past_key_values
-        last_tokens = self._sample(new, out.logits[:, -1, :])
-        self._merge(new, cache, mask, torch.tensor(lengths), torch.tensor(last_tokens))
+        # Rows with the same prompt (a request's n samples, or equal prompts across requests) share
+        # one prefill.
+        by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in new:
+            by_prompt.setdefault(tuple(seq.prompt_ids), []).append(seq)
+        new = [seq for group in by_prompt.values() for seq in group]
+        logits = self.runner.prefill([list(p) for p in by_prompt], [len(g) for g in by_prompt.values()])
+        self._rows += new
+        self._last = torch.cat([self._last, self._sample(new, logits)])
         self._retire_finished()
 
     def _decode(self) -> None:
-        ones = torch.ones(len(self._rows), 1, dtype=torch.long)
-        mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(
-            input_ids=self._last[:, None],
-            attention_mask=mask,
-            position_ids=self._positions[:, None],
-            use_cache=True,
-            **{self._cache_kw: self._cache},
-        )
-        self._cache = out.past_key_values
-        self._mask = mask
-        self._positions = self._positions + 1
-        self._last = torch.tensor(self._sample(self._rows, out.logits[:, -1, :]))
+        logits = self.runner.decode(self._last)
+        self._last = self._sample(self._rows, logits)
         self.steps += 1
         self._retire_finished()
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        tokens = []
-        for r, seq in enumerate(rows):
-            row = logits[r]
-            stops = self._stop_ids(seq)
-            if len(seq.output_ids) < seq.params.min_new_tokens and stops:
-                row = row.clone()
-                row[list(stops)] = float("-inf")
-            token = sample_token(row, seq.params, seq.generator)
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Picks each row's next token; records it and its raw log-prob; marks finished rows."""
+        stops = [self._stop_ids(seq) for seq in rows]
+        early = [
+            r for r, seq in enumerate(rows) if len(seq.output_ids) < seq.params.min_new_tokens and stops[r]
+        ]
+        if early:
+            logits = logits.clone()
+            for r in early:
+                logits[r, list(stops[r])] = float("-inf")
+        tokens = sample_tokens(logits, [seq.params for seq in rows], [seq.generator for seq in rows])
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+        for seq, token, logprob, stop in zip(rows, tokens.tolist(), logprobs, stops, strict=True):
             seq.output_ids.append(token)
-            seq.logprobs.append(float(logprobs[r, token]))
-            self._check_finished(seq, token, stops)
-            tokens.append(token)
+            seq.logprobs.append(logprob)
+            self._check_finished(seq, token, stop)
         self.tokens_generated += len(rows)
         return tokens
 
@@ -256,62 +233,14 @@ class BatchEngine:
         if seq.finish_reason is None and len(seq.output_ids) >= seq.params.max_new_tokens:
             seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
 
-    def _merge(
-        self,
-        new: list[Sequence],
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        last: torch.Tensor,
-    ) -> None:
-        if not self._rows:
-            self._rows, self._cache, self._mask, self._positions, self._last = (
-                list(new),
-                cache,
-                mask,
-                positions,
-                last,
-            )
-            return
-        assert self._cache is not None
-        width = max(self._mask.shape[1], mask.shape[1])
-        old_layers = _layers(self._cache)
-        new_layers = _layers(cache)
-        merged = [
-            (
-                torch.cat([_left_pad(ko, width), _left_pad(kn, width)]),
-                torch.cat([_left_pad(vo, width), _left_pad(vn, width)]),
-            )
-            for (ko, vo), (kn, vn) in zip(old_layers, new_layers, strict=True)
-        ]
-        self._cache = DynamicCache(ddp_cache_data=merged, config=self.model.config)
-        self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
-        self._positions = torch.cat([self._positions, positions])
-        self._last = torch.cat([self._last, last])
-        self._rows += new
-
     def _retire_finished(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None]
         if len(keep) == len(self._rows):
             return
         finished = [s for s in self._rows if s.finish_reason is not None]
-        if keep:
-            index = torch.tensor(keep)
-            mask = self._mask[index]
-            # Drop columns no remaining row uses (left padding of departed long rows).
-            first = int((mask.sum(0) > 0).float().argmax())
-            layers = [(k[index, :, first:], v[index, :, first:]) for k, v in _layers(self._cache)]
-            self._cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-            self._mask, self._positions, self._last = (
-                mask[:, first:],
-                self._positions[index],
-                self._last[index],
-            )
-            self._rows = [self._rows[i] for i in keep]
-        else:
-            self._rows, self._cache = [], None
-            self._mask = torch.zeros(0, 0, dtype=torch.long)
-            self._positions = self._last = torch.zeros(0, dtype=torch.long)
+        order = self.runner.retire(keep)
+        self._rows = [self._rows[i] for i in order]
+        self._last = self._last[torch.tensor(order, dtype=torch.long)]
         for request in {id(s.request): s.request for s in finished}.values():
             self._complete_if_done(request)
 
@@ -334,9 +263,9 @@ class BatchEngine:
             for r in self._requests.values():
                 r.aborted = message
         with self._model_lock:
-            self._rows, self._cache = [], None
-            self._mask = torch.zeros(0, 0, dtype=torch.long)
-            self._positions = self._last = torch.zeros(0, dtype=torch.long)
+            self._rows = []
+            self.runner.reset()
+            self._last = torch.zeros(0, dtype=torch.long)
             self._reap_aborted()
 
     def _complete_if_done(self, request: GenerationRequest) -> None:
@@ -346,18 +275,3 @@ class BatchEngine:
         request.finished_at = time.perf_counter()
         request.weight_version = self.weight_version
         request.on_done(request)
-
-
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pads dim 1 (mask: [B, T]) or dim 2 (cache: [B, H, T, D]) on the left with zeros to ``width``."""
-    dim = 1 if t.dim() == 2 else 2
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype), t], dim=dim)

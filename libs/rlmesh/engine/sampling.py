@@ -127,22 +127,43 @@ def parse_sampling_params(params: Mapping[str, Any] | None) -> SamplingParams:
     return sp
 
 
-def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None) -> int:
-    """Picks the next token from one row of logits ``(vocab,)`` under ``sp``."""
-    if sp.greedy:
-        return int(torch.argmax(logits))
+def sampling_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """The distribution ``sp`` samples from, for rows of logits ``[rows, vocab]`` sharing ``sp``:
+    temperature, then top-k, then min-p, then top-p (SGLang's order)."""
     scores = logits.float() / sp.temperature
     if sp.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, sp.top_k).values[-1]
+        kth = torch.topk(scores, sp.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if sp.min_p > 0:
-        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+        probs = probs.masked_fill(probs < sp.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     if sp.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = cumulative - sorted_probs > sp.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Picks the next token of each row of ``logits [rows, vocab]`` under its own parameters.
+
+    Rows with equal parameters are transformed together; each row draws its uniform number from
+    its own generator (inverse-CDF sampling), so a row's tokens depend only on its seed, not on
+    which other rows share the batch.
+    """
+    tokens = torch.argmax(logits, dim=-1)
+    groups: dict[tuple, list[int]] = {}
+    for r, sp in enumerate(params):
+        if not sp.greedy:
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p, sp.min_p), []).append(r)
+    for rows in groups.values():
+        probs = sampling_probs(logits[rows], params[rows[0]])
+        cdf = torch.cumsum(probs, dim=-1)
+        u = torch.cat([torch.rand(1, generator=generators[r]) for r in rows])
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens[rows] = picked.clamp(max=logits.shape[-1] - 1)
+    return tokens
