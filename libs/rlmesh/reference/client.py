@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.reward.addresses import AddressSource, StaticAddresses
-from rlmesh.reward.balancer import BalancedCaller
+from rlmesh.runtime.addresses import AddressSource, StaticAddresses
+from rlmesh.runtime.balancer import BalancedCaller
 from rlmesh.v1 import common_pb2, reference_pb2, reference_pb2_grpc
 
 if TYPE_CHECKING:

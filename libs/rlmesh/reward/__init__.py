@@ -4,15 +4,6 @@ model, the batch scoring core ``RewardScorer`` (no gRPC needed) and ``RewardClie
 ``rlmesh.reward.model`` (the reward model, imports torch) is imported only when a model is used.
 """
 
-from rlmesh.reward.addresses import (
-    AddressSource,
-    RedisAddresses,
-    StaticAddresses,
-    get_reward_addresses,
-    reward_addresses_key,
-    set_reward_addresses,
-)
-from rlmesh.reward.balancer import BalancedCaller, ServiceCallError
 from rlmesh.reward.builtin import BUILTIN_FUNCTIONS, DATA_SOURCES, builtin_for, default_compute_score
 from rlmesh.reward.client import RewardClient
 from rlmesh.reward.loader import (
@@ -22,6 +13,15 @@ from rlmesh.reward.loader import (
     load_reward_function,
 )
 from rlmesh.reward.scorer import InvalidRequestError, RewardMetrics, RewardScorer
+from rlmesh.runtime.addresses import (
+    AddressSource,
+    RedisAddresses,
+    StaticAddresses,
+    get_reward_addresses,
+    reward_addresses_key,
+    set_reward_addresses,
+)
+from rlmesh.runtime.balancer import BalancedCaller, ServiceCallError
 
 __all__ = [
     "BUILTIN_FUNCTIONS",

@@ -14,8 +14,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.reward.addresses import AddressSource, RedisAddresses, StaticAddresses
-from rlmesh.reward.balancer import BalancedCaller
+from rlmesh.runtime.addresses import AddressSource, RedisAddresses, StaticAddresses
+from rlmesh.runtime.balancer import BalancedCaller
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 if TYPE_CHECKING:

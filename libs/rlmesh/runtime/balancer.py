@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from rlmesh.reward.addresses import AddressSource, StaticAddresses
+from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.server import GRPC_OPTIONS
 

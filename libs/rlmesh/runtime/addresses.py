@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from rlmesh.queue.keys import RunKeys
 
-log = logging.getLogger("rlmesh.reward")
+log = logging.getLogger("rlmesh.client")
 
 REWARD_ADDRESSES = "reward_addresses"
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
