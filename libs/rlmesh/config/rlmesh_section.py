@@ -74,6 +74,11 @@ class WeightSyncConfig(Section):
         0, ge=0, le=65535, description="rendezvous port of the group; 0 = pick a free one"
     )
     bucket_size_mb: int = Field(256, gt=0, description="weights are broadcast in buckets of this many MiB")
+    load_format: Literal["flattened_bucket", "per_tensor"] = Field(
+        "flattened_bucket",
+        description="flattened_bucket: one broadcast per bucket (SGLang's load_format); per_tensor: "
+        "one per tensor, for SGLang servers older than flattened_bucket support",
+    )
     timeout_s: float = Field(300.0, gt=0, description="deadline of one weight push, seconds")
     verify_tensors: int = Field(
         4, ge=0, description="tensors checksummed on each engine after a push; 0 = none"

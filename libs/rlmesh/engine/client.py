@@ -162,7 +162,10 @@ class EngineClient:
         group_name: str,
         weight_version: str | None,
         flush_cache: bool = False,
+        load_format: str | None = None,
     ) -> str:
+        """``load_format`` "flattened_bucket": the sender broadcasts all the tensors as one uint8
+        tensor (their bytes in order); None (not sent): one broadcast per tensor."""
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -172,6 +175,8 @@ class EngineClient:
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._ack("/update_weights_from_distributed", body)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> str:

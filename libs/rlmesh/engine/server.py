@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from rlmesh.engine.batching import BatchEngine, GenerationRequest  # noqa: E402
 from rlmesh.engine.sampling import SamplingParamsError, parse_sampling_params  # noqa: E402
-from rlmesh.engine.weights import EngineWeights, WeightUpdateError  # noqa: E402
+from rlmesh.engine.weights import EngineWeights, WeightUpdateError, check_load_format  # noqa: E402
 from rlmesh.runtime.logs import configure_logging  # noqa: E402
 
 log = logging.getLogger("rlmesh.engine")
@@ -244,6 +244,8 @@ def create_app(
             "weight_version": engine.weight_version,
             "tokens_generated": engine.tokens_generated,
             "busy_s": engine.busy_s,
+            # Wall-clock (start, end) periods of model compute, for cross-service overhead sums.
+            "busy_intervals": engine.busy.intervals(),
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -304,12 +306,20 @@ def create_app(
     async def update_weights_from_distributed(req: Request) -> Any:
         try:
             b = await body_of(req, "names", "dtypes", "shapes")
+            load_format = b.get("load_format")
+            check_load_format(load_format)  # before the thread hop: a bad value is answered at once
 
             def receive_and_load() -> None:
-                received = weights.receive(
-                    b["names"], b["dtypes"], b["shapes"], str(b.get("group_name", "weight_update_group"))
-                )
-                with engine.exclusive():
+                with (
+                    weights.receiving(
+                        b["names"],
+                        b["dtypes"],
+                        b["shapes"],
+                        str(b.get("group_name", "weight_update_group")),
+                        load_format,
+                    ) as received,
+                    engine.exclusive(),
+                ):
                     weights.load(received, strict=False)
                     if b.get("weight_version") is not None:
                         engine.weight_version = str(b["weight_version"])
@@ -394,7 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging("engine", os.environ.get("RLMESH_RUN_ID"), fmt=args.log_format)
     torch.manual_seed(args.seed)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections accepted from a socket that
+    # names it. Without it Nagle holds each response's body until the client ACKs the headers,
+    # which a delayed ACK makes ~40 ms per request.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = {"port": sock.getsockname()[1]}

@@ -4,7 +4,9 @@ back by name. Every change happens between decode steps (``BatchEngine.exclusive
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, layout, tensor_views, uint8_buffer
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
 
 log = logging.getLogger("rlmesh.engine")
@@ -19,6 +22,14 @@ log = logging.getLogger("rlmesh.engine")
 
 class WeightUpdateError(RuntimeError):
     pass
+
+
+def check_load_format(load_format: str | None) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise WeightUpdateError(
+            f"unknown load_format {load_format!r}; supported: null (one broadcast per tensor) "
+            f"or {FLATTENED_BUCKET!r} (one uint8 broadcast of the whole bucket)"
+        )
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -32,6 +43,9 @@ class EngineWeights:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.groups: dict[str, dist.ProcessGroup] = {}
+        # The receive buffer of the last update, kept for the next (see ``receiving``).
+        self._spare: torch.Tensor | None = None
+        self._spare_lock = threading.Lock()
 
     def params(self) -> dict[str, torch.Tensor]:
         # Tied weights appear once in named_parameters; accept both names for them.
@@ -69,10 +83,67 @@ class EngineWeights:
         destroy_process_group(pg)
 
     def receive(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        load_format: str | None = None,
+        out: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Receives each tensor from rank 0 in order. Unknown names are still received (so the
-        broadcast stays in step with the sender) and reported afterwards."""
+        """Receives the tensors from rank 0: one broadcast each, in order (``load_format`` None), or
+        one uint8 broadcast of all their bytes (``"flattened_bucket"``). Either way they land in
+        one uint8 buffer — ``out`` when it is big enough, else a new one — and are returned as
+        views of it. Unknown names are still received (so the broadcast stays in step with the
+        sender) and reported when loading."""
+        pg, torch_dtypes, offsets, total = self._plan(names, dtypes, shapes, group_name, load_format)
+        buffer = uint8_buffer(total, "cpu", out)
+        if load_format == FLATTENED_BUCKET:
+            dist.broadcast(buffer, src=0, group=pg)
+            tensors = tensor_views(buffer, offsets, torch_dtypes, shapes)
+        else:
+            tensors = tensor_views(buffer, offsets, torch_dtypes, shapes)  # all aligned: views
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
+            for work in works:  # all posted before any is awaited, as SGLang does
+                work.wait()
+        return dict(zip(names, tensors, strict=True))
+
+    @contextmanager
+    def receiving(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        load_format: str | None = None,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """``receive`` into a buffer kept from one update to the next: its tensors are valid only
+        inside the block (load them there). The engine keeps one bucket's bytes for this; a new
+        buffer each time would page-fault all of them in again, costing more than the copy."""
+        *_, total = self._plan(names, dtypes, shapes, group_name, load_format)
+        with self._spare_lock:
+            buffer, self._spare = self._spare, None  # a concurrent update allocates its own
+        if buffer is None or buffer.numel() < total:
+            buffer = torch.empty(total, dtype=torch.uint8)
+        # A failed collective raises here, and the buffer is not kept: the transport may hold it.
+        received = self.receive(names, dtypes, shapes, group_name, load_format, out=buffer)
+        try:
+            yield received
+        finally:
+            with self._spare_lock:
+                if self._spare is None or self._spare.numel() < buffer.numel():
+                    self._spare = buffer
+
+    def _plan(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        load_format: str | None,
+    ) -> tuple[dist.ProcessGroup, list[torch.dtype], list[int], int]:
+        """Checks an update's arguments; returns its group, dtypes, byte offsets and total bytes."""
+        check_load_format(load_format)
         if not len(names) == len(dtypes) == len(shapes):
             raise WeightUpdateError(
                 f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
@@ -82,12 +153,14 @@ class EngineWeights:
             raise WeightUpdateError(
                 f"no weight update group {group_name!r}; call /init_weights_update_group first"
             )
-        received = {}
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(list(shape), dtype=torch_dtype(dtype))
-            dist.broadcast(t, src=0, group=pg)
-            received[name] = t
-        return received
+        bad = [list(s) for s in shapes if any(int(d) < 0 for d in s)]
+        if bad:
+            raise WeightUpdateError(f"negative sizes in shapes {bad[:3]}")
+        torch_dtypes = [torch_dtype(d) for d in dtypes]
+        # flattened_bucket is packed back to back (the wire layout); one broadcast per tensor
+        # lets each start on a 64-byte boundary.
+        offsets, total = layout(torch_dtypes, shapes, 1 if load_format == FLATTENED_BUCKET else 64)
+        return pg, torch_dtypes, offsets, total
 
     def load(self, tensors: dict[str, torch.Tensor], *, strict: bool) -> None:
         """Copies tensors into the model by name; checks every name and shape before changing anything."""

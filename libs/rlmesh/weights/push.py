@@ -3,9 +3,13 @@
 One process group per engine (world size 1 + the engine's ranks): a replica that dies mid-push
 breaks only its own group, so the push fails fast for it — naming it — and completes for the
 others; a broadcast's bytes leave the trainer once per receiver either way on gloo. For each
-bucket and each engine, the update call (names, dtypes, shapes) goes out first, then the trainer
-broadcasts each tensor in that order, then the call's answer is awaited. Every collective has the
-group's deadline and every HTTP call the client's: nothing hangs silently.
+bucket, every engine's update call (names, dtypes, shapes, load_format) goes out first, then the
+trainer broadcasts, then the calls' answers are awaited. With ``load_format="flattened_bucket"``
+(SGLang's; the default) the bucket is copied once into one uint8 tensor, shared by all engines,
+and broadcast as a single collective; with ``None`` (SGLang servers without flattened_bucket
+support) each tensor is broadcast on its own, in order. On CPU the flat buffer (one bucket's
+bytes) is kept from push to push: see ``rlmesh.weights.bucket``. Every collective has the group's
+deadline and every HTTP call the client's: nothing hangs silently.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.runtime.launcher import free_port
+from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, flatten_tensors
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
 
 log = logging.getLogger("rlmesh.weights")
@@ -87,7 +92,12 @@ class WeightPusher:
         timeout_s: float = 300.0,
         bucket_bytes: int = 256 << 20,
         group_prefix: str = "rlmesh_weights",
+        load_format: str | None = FLATTENED_BUCKET,
     ) -> None:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
+        self.load_format = load_format
+        self._flat: torch.Tensor | None = None  # the CPU flattened-bucket buffer, reused (see push)
         self.links = [EngineLink(client=e) for e in engines]
         self.backend = backend
         self.master_address = master_address
@@ -126,7 +136,11 @@ class WeightPusher:
     async def connect(self, only: set[str] | None = None) -> None:
         """Builds one group per healthy engine that has none; engines that fail are marked unhealthy."""
         failed: dict[str, str] = {}
-        todo = [link for link in self.healthy_links if link.pg is None and (only is None or link.client.url in only)]
+        todo = [
+            link
+            for link in self.healthy_links
+            if link.pg is None and (only is None or link.client.url in only)
+        ]
         await asyncio.gather(*(self._connect(link, failed) for link in todo))
         if failed:
             raise WeightPushError(failed)
@@ -177,14 +191,9 @@ class WeightPusher:
         await self._bracket(targets, True, failed)
         for bucket in buckets(named, self.bucket_bytes):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
-            tensors = [
-                t.detach().contiguous().cpu() if self.backend == "gloo" else t.detach().contiguous()
-                for _, t in bucket
-            ]
             live = [link for link in targets if link.name not in failed]
-            await asyncio.gather(
-                *(self._push_bucket(link, bucket, tensors, str(version), failed) for link in live)
-            )
+            if live:  # with none left, ``named`` is still consumed: under ZeRO-3 every rank iterates
+                await self._push_bucket(live, bucket, str(version), failed)
             if on_bucket is not None:
                 on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
         await self._bracket(targets, False, failed)
@@ -211,29 +220,82 @@ class WeightPusher:
 
     async def _push_bucket(
         self,
-        link: EngineLink,
+        live: list[EngineLink],
         bucket: list[tuple[str, torch.Tensor]],
-        tensors: list[torch.Tensor],
         version: str,
         failed: dict[str, str],
+    ) -> None:
+        tensors = [t.detach() for _, t in bucket]
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        # The engine must be inside its receive before our broadcast can complete: each engine's
+        # call goes out first — it gets there while we prepare the payload — then we broadcast,
+        # then take its answer.
+        calls = [
+            asyncio.create_task(
+                link.client.update_weights_from_distributed(
+                    names,
+                    dtypes,
+                    shapes,
+                    link.group_name,
+                    weight_version=version,
+                    load_format=self.load_format,
+                )
+            )
+            for link in live
+        ]
+        try:
+            payload = await self._payload(tensors)
+        except BaseException:
+            # The engines now wait for a broadcast that will not come: their groups are spent.
+            self._flat = None
+            for link, call in zip(live, calls, strict=True):
+                call.cancel()
+                link.healthy = False
+                self._drop_group(link)
+            raise
+        clean = False
+        try:
+            await asyncio.gather(
+                *(
+                    self._broadcast(link, call, payload, failed)
+                    for link, call in zip(live, calls, strict=True)
+                )
+            )
+            clean = not any(link.name in failed for link in live)
+        finally:
+            if not clean:
+                # Cancelled or failed: a transport may still hold the buffer; don't reuse it.
+                self._flat = None
+
+    async def _payload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What to broadcast, in order, shared by every engine: one flat uint8 tensor
+        (flattened_bucket) or the tensors themselves."""
+        device = "cpu" if self.backend == "gloo" else None
+        if self.load_format == FLATTENED_BUCKET:
+            # One copy into one buffer, off the event loop. On CPU the buffer is kept for the next
+            # bucket and push (its first touch page-faults, which costs more than the copy); on
+            # GPU torch's caching allocator already reuses memory.
+            flat = await asyncio.to_thread(flatten_tensors, tensors, device, self._flat)
+            if flat.device.type == "cpu" and (self._flat is None or flat.numel() > self._flat.numel()):
+                self._flat = flat
+            return [flat]
+        # .contiguous() and .to() return the tensor itself when it already is: no copy then.
+        return [t.contiguous() if device is None else t.contiguous().to(device) for t in tensors]
+
+    async def _broadcast(
+        self, link: EngineLink, call: asyncio.Task[str], payload: list[torch.Tensor], failed: dict[str, str]
     ) -> None:
         assert link.pg is not None
 
         def broadcast_all() -> None:
-            for t in tensors:
-                dist.broadcast(t, src=0, group=link.pg)
+            # All queued at once, then awaited (as SGLang receives them): one hand-off to gloo's
+            # worker instead of one round trip per tensor.
+            works = [dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payload]
+            for work in works:
+                work.wait()
 
-        # The engine must be inside its receive before our broadcasts can complete: send the
-        # call, broadcast while it waits, then take its answer.
-        call: asyncio.Task[str] = asyncio.create_task(  # noqa: RUF006 - awaited below
-            link.client.update_weights_from_distributed(
-                [n for n, _ in bucket],
-                [str(t.dtype).removeprefix("torch.") for t in tensors],
-                [list(t.shape) for t in tensors],
-                link.group_name,
-                weight_version=version,
-            )
-        )
         try:
             await asyncio.to_thread(broadcast_all)
             await call
@@ -273,6 +335,7 @@ class WeightPusher:
         return mismatches
 
     async def close(self) -> None:
+        self._flat = None
         for link in self.links:
             if link.pg is not None and link.healthy:
                 try:

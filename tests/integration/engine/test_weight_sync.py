@@ -43,18 +43,21 @@ def models(tiny_model_dir, other_model_dir):
     return start, target
 
 
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
 def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
-    launcher, tiny_model_dir, models
+    launcher, tiny_model_dir, models, load_format
 ):
     start, target = models
-    engines = [launcher.start_engine(tiny_model_dir, name=f"push-{i}") for i in range(2)]
+    engines = [launcher.start_engine(tiny_model_dir, name=f"push-{load_format}-{i}") for i in range(2)]
     assert all(engine_greedy(e.url) == greedy_reference(start, PROMPTS) for e in engines)
     expected = greedy_reference(target, PROMPTS)
     assert expected != greedy_reference(start, PROMPTS), "the two test models must differ"
 
     async def push():
         clients = [EngineClient(e.url, timeout_s=120) for e in engines]
-        pusher = WeightPusher(clients, backend="gloo", timeout_s=60, bucket_bytes=64 << 10)
+        pusher = WeightPusher(
+            clients, backend="gloo", timeout_s=60, bucket_bytes=64 << 10, load_format=load_format
+        )
         try:
             report = await pusher.push(target.state_dict().items(), version=3)
             mismatches = await pusher.verify(dict(list(target.state_dict().items())[:4]))
@@ -73,6 +76,25 @@ def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
         info = httpx.get(e.url + "/get_model_info").json()
         assert info["weight_version"] == "3"
         launcher.stop(e.process)
+
+
+def test_an_unknown_load_format_is_refused_at_once_naming_it(launcher, tiny_model_dir):
+    engine = launcher.start_engine(tiny_model_dir, name="bad-format")
+    body = {
+        "names": ["model.norm.weight"],
+        "dtypes": ["float32"],
+        "shapes": [[64]],
+        "group_name": "weight_update_group",
+        "load_format": "direct",
+    }
+    # No group exists and no broadcast follows: the answer must not wait for one.
+    resp = httpx.post(engine.url + "/update_weights_from_distributed", json=body, timeout=10)
+    assert resp.status_code == 400
+    assert resp.json()["success"] is False and "unknown load_format 'direct'" in resp.json()["message"]
+    assert engine_greedy(engine.url)  # still serving
+    with pytest.raises(ValueError, match="unknown load_format 'direct'"):
+        WeightPusher([], load_format="direct")
+    launcher.stop(engine.process)
 
 
 def test_disk_reload_makes_the_engine_produce_the_new_models_greedy_output(

@@ -154,6 +154,10 @@ def test_all_problems_are_reported_at_once() -> None:
             "bad value for 'actor_rollout_ref.actor.policy_loss.loss_mode': 'gspo'; allowed: 'vanilla'",
         ),
         ("algorithm.use_pf_ppo=true", "bad value for 'algorithm.use_pf_ppo': true; allowed: false"),
+        (
+            "rlmesh.weight_sync.load_format=flat",
+            "bad value for 'rlmesh.weight_sync.load_format': 'flat'; allowed: 'flattened_bucket', 'per_tensor'",
+        ),
     ],
 )
 def test_bad_value_names_key_value_and_allowed(override: str, expected: str) -> None:
