@@ -133,6 +133,9 @@ def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepa
             assert key in rows[1], key
         assert "val/score" in rows[0] and "val/score" in rows[3]
         assert rows[3]["training/policy_version"] == 3
+        # Synchronous PPO: each step's samples come from the weights pushed just before, so none is
+        # thrown away as stale (a replica tagging with a version it heard of late would do that).
+        assert [r["training/dropped_stale"] for r in rows[1:]] == [0, 0, 0]
         checkpoint = latest_checkpoint(str(run_dir))
         assert checkpoint is not None and checkpoint.endswith("global_step_3")
         assert (Path(checkpoint).parent / "global_step_2").is_dir()

@@ -252,7 +252,7 @@ class SamplerLoop:
         queue_wait = max(0.0, time.time() - task.enqueued_unix_ms / 1000) if task.enqueued_unix_ms else 0.0
         n = max(1, task.n)
         params = {**sampling_dict(task.sampling_params, self.settings.sampling_defaults), "n": n}
-        version_before = self.policy_version
+        version_before = await self._engine_version()
         out = await self._generate(task, params)
         outs = out if isinstance(out, list) else [out]
         t_gen = time.monotonic()
@@ -316,6 +316,18 @@ class SamplerLoop:
             )
         self.metrics.stage.labels("total").observe(total)
         return trajs
+
+    async def _engine_version(self) -> int:
+        """The engine's weight version as generation starts. The learner pushes to engines directly,
+        so the version we last heard of may be behind; a tag from it would make fresh samples look
+        stale (a synchronous run would then throw every batch away once and sample it again)."""
+        try:
+            info = await self.engine.model_info()
+        except Exception as e:  # the generate call that follows retries and reports engine trouble
+            log.debug("engine version unavailable (%s); using the last known %d", e, self.policy_version)
+            return self.policy_version
+        self.policy_version = max(self.policy_version, parse_version(info.get("weight_version")))
+        return self.policy_version
 
     async def _generate(self, task: trajectory_pb2.PromptTask, params: dict[str, Any]) -> Any:
         """Generates, retrying while the engine is unreachable or failing (5xx); a 4xx refusal of
