@@ -22,9 +22,23 @@ STEPS = 75
 @pytest.mark.timeout(1500)  # warm-up, 75 PPO steps with every service, export: ~6 minutes here
 def test_demo_pipeline_lifts_held_out_accuracy(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rlmesh.cli", "demo", "--workdir", str(tmp_path), "--steps", str(STEPS),
-         "--test-freq", "25"],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli",
+            "demo",
+            "--workdir",
+            str(tmp_path),
+            "--steps",
+            str(STEPS),
+            "--test-freq",
+            "25",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

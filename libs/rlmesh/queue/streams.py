@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ class Delivery(Generic[M]):
     message: M
     # How many times the entry has been handed to a consumer, this time included.
     deliveries: int
+
+
+@dataclass
+class DeadLetter(Generic[M]):
+    entry_id: bytes  # the entry's id in its own stream
+    reason: str
+    message: M | None  # None when the payload was missing or undecodable
 
 
 class QueueMetrics:
@@ -191,6 +199,30 @@ class StreamQueue(Generic[M]):
         """Entries handed to a consumer and not yet acknowledged."""
         summary = await self.redis.xpending(self.stream, self.group)
         return int(summary["pending"])
+
+    async def unread(self) -> int:
+        """Entries no consumer has been handed yet."""
+        return await self.length() - await self.pending()
+
+    async def dead_letters(self, count: int = 1000) -> list[DeadLetter[M]]:
+        """This stream's dead letters among the newest ``count`` of the dead-letter stream, newest
+        first."""
+        out: list[DeadLetter[M]] = []
+        for _, fields in await self.redis.xrevrange(self.dead_letter_stream, count=count):
+            if fields.get(b"stream", b"").decode() != self.stream:
+                continue
+            message = None
+            with contextlib.suppress(DecodeError):
+                if fields.get(PAYLOAD):
+                    message = self.message_type.FromString(fields[PAYLOAD])
+            out.append(
+                DeadLetter(
+                    entry_id=fields.get(b"entry_id", b""),
+                    reason=fields.get(b"reason", b"").decode(errors="replace"),
+                    message=message,
+                )
+            )
+        return out
 
     async def _read(self, count: int, start: str, block_ms: int | None) -> list[tuple[bytes, dict | None]]:
         reply = await self.redis.xreadgroup(

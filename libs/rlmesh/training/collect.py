@@ -48,6 +48,7 @@ class StepBatch:
     uids: list[str]
     counts: dict[str, int]
     wait_s: float
+    groups: list[str] = field(default_factory=list)  # the group uids taken
 
 
 class BatchCollector:
@@ -152,8 +153,24 @@ class BatchCollector:
         counts = dict(self.counts)
         self.counts = dict.fromkeys(self.counts, 0)
         return StepBatch(
-            trajectories=trajs, entry_ids=ids, uids=uids, counts=counts, wait_s=time.monotonic() - start
+            trajectories=trajs,
+            entry_ids=ids,
+            uids=uids,
+            counts=counts,
+            wait_s=time.monotonic() - start,
+            groups=taken,
         )
+
+    def complete_groups(self) -> set[str]:
+        return {gid for gid, g in self.groups.items() if g.complete(self.n)}
+
+    def drop_group(self, group_uid: str) -> None:
+        """Discards what arrived of an incomplete group (its other samples were lost); its entries
+        are acked with the next commit."""
+        group = self.groups.pop(group_uid, None)
+        if group is not None:
+            self._discarded_ids += group.entry_ids
+            self._discarded_uids += [t.uid for t in group.trajectories]
 
     async def commit(self, batch: StepBatch) -> None:
         """Marks the step's uids used and acks its entries, in one transaction."""

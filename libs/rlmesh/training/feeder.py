@@ -49,6 +49,9 @@ class PromptFeeder:
         self.sampling = sampling or common_pb2.SamplingParams()
         self.enqueued: dict[int, list[str]] = {}  # step -> group uids
         self._cursor_before: dict[int, dict[str, Any]] = {}
+        # Every group enqueued and not yet trained on: uid -> (step, task, times enqueued), so a
+        # group whose task or samples were lost can be enqueued again.
+        self.outstanding: dict[str, tuple[int, trajectory_pb2.PromptTask, int]] = {}
 
     def make_task(self, item: PromptItem, step: int, version: int) -> trajectory_pb2.PromptTask:
         import json
@@ -81,19 +84,39 @@ class PromptFeeder:
             tasks = [self.make_task(item, s, version) for item in items]
             await self.queue.put(tasks)
             self.enqueued[s] = [t.group_uid for t in tasks]
+            self.outstanding.update({t.group_uid: (s, t, 1) for t in tasks})
             added.append(s)
         return added
 
-    async def requeue(self, task: trajectory_pb2.PromptTask, step: int, version: int) -> str:
-        """Enqueues a prompt again under a new group uid (its samples came back too stale)."""
+    async def requeue(self, replaces: str, task: trajectory_pb2.PromptTask, step: int, version: int) -> str:
+        """Enqueues a prompt again under a new group uid, in place of group ``replaces`` (its samples
+        came back too stale, or were lost)."""
+        _, _, times = self.outstanding.pop(replaces, (step, task, 0))
         gid = group_uid(self.incarnation, step, -1)
         fresh = trajectory_pb2.PromptTask()
         fresh.CopyFrom(task)
         fresh.uid = fresh.group_uid = gid
+        fresh.sample_offset = 0
         fresh.step, fresh.policy_version = step, version
         fresh.enqueued_unix_ms = int(time.time() * 1000)
         await self.queue.put([fresh])
+        self.outstanding[gid] = (step, fresh, times + 1)
         return gid
+
+    async def replace(self, replaces: str, version: int) -> str:
+        """Enqueues the next prompt of the data in place of group ``replaces`` (a prompt that failed
+        every time it was tried)."""
+        step, _, _ = self.outstanding.pop(replaces)
+        item = self.dataset[self.sampler.next_indices(1)[0]]
+        task = self.make_task(item, step, version)
+        await self.queue.put([task])
+        self.outstanding[task.group_uid] = (step, task, 1)
+        return task.group_uid
+
+    def taken(self, group_uids: Sequence[str]) -> None:
+        """These groups went into a step's batch: no longer outstanding."""
+        for gid in group_uids:
+            self.outstanding.pop(gid, None)
 
     def cursor_after(self, step: int) -> dict[str, Any]:
         """The data cursor as it was once ``step``'s prompts were taken: what a checkpoint after

@@ -44,6 +44,7 @@ from rlmesh.reward.client import RewardClient
 from rlmesh.rollout.policy import publish_policy
 from rlmesh.training.collect import BatchCollector, StepBatch
 from rlmesh.training.feeder import PromptFeeder
+from rlmesh.training.recovery import LostGroupRecovery
 from rlmesh.training.sinks import MetricsSinks
 from rlmesh.training.validation import val_sampling, validate
 from rlmesh.v1 import common_pb2, trajectory_pb2
@@ -217,6 +218,7 @@ class TrainingLoop:
             max_staleness=cfg.rlmesh.max_staleness,
             validate=validate_trajectory,
         )
+        self.recovery = LostGroupRecovery(self.feeder, self.collector)
         self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)
         ws = cfg.rlmesh.weight_sync
         backend = ws.backend if ws.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -226,6 +228,7 @@ class TrainingLoop:
             master_address=ws.master_address,
             timeout_s=ws.timeout_s,
             bucket_bytes=ws.bucket_size_mb << 20,
+            load_format=None if ws.load_format == "per_tensor" else ws.load_format,
         )
         self.reward = RewardClient.from_config(cfg, redis=redis)
 
@@ -338,13 +341,19 @@ class TrainingLoop:
         cfg = self.cfg
 
         async def requeue(traj: trajectory_pb2.Trajectory) -> None:
-            task = trajectory_pb2.PromptTask(
-                prompt_ids=traj.prompt_ids,
-                ground_truth=traj.ground_truth,
-                data_source=traj.data_source,
-                n=cfg.actor_rollout_ref.rollout.n,
+            known = self.feeder.outstanding.get(traj.group_uid)
+            task = (
+                known[1]
+                if known
+                else trajectory_pb2.PromptTask(
+                    prompt_ids=traj.prompt_ids,
+                    ground_truth=traj.ground_truth,
+                    data_source=traj.data_source,
+                    n=cfg.actor_rollout_ref.rollout.n,
+                    sampling_params=self.feeder.sampling,
+                )
             )
-            await self.feeder.requeue(task, step, self.state.version)
+            await self.feeder.requeue(traj.group_uid, task, step, self.state.version)
 
         last_sync = time.monotonic()
 
@@ -368,6 +377,7 @@ class TrainingLoop:
                     last_sync = time.monotonic()
                 if self.state.stop_requested:
                     raise
+                await self.recovery.check(self.state.version)
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -435,7 +445,9 @@ class TrainingLoop:
         await self.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness)
         t0 = time.monotonic()
         collected = await self._collect(step)
+        self.feeder.taken(collected.groups)
         t_gen = time.monotonic() - t0
+        gen_start = time.time() - t_gen  # wall clock, so benchmarks can line phases up across processes
         from rlmesh.learner import build_batch
 
         st.phase = "TRAINING"
@@ -449,6 +461,7 @@ class TrainingLoop:
         st.version += 1
         st.phase = "PUSHING_WEIGHTS"
         t_push = await self.push_weights()
+        push_start = time.time() - t_push
         is_last = step >= st.total_steps
         if (
             cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or is_last)
@@ -465,6 +478,9 @@ class TrainingLoop:
                 "timing_s/gen": t_gen,
                 "timing_s/push_weights": t_push,
                 "timing_s/step": step_s,
+                "timing_start/gen": gen_start,
+                "timing_start/push_weights": push_start,
+                "timing_start/step": time.time() - step_s,
                 "perf/throughput": tokens / max(step_s, 1e-9),
                 "training/global_step": step,
                 "training/tokens": tokens,
@@ -472,6 +488,7 @@ class TrainingLoop:
                 "training/policy_version": st.version,
                 "training/epoch": self.sampler.epoch,
                 **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
+                **{f"training/{k}": float(v) for k, v in self.recovery.take_counts().items()},
                 **_rollout_timings(collected.trajectories),
             }
         )
