@@ -82,6 +82,7 @@ class BatchEngine:
         self._rows: list[Sequence] = []
         self._last = torch.zeros(0, dtype=torch.long)
         self._paused = False
+        self._held = False
         self._stopping = False
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self.tokens_generated = 0
@@ -124,6 +125,13 @@ class BatchEngine:
             self._paused = False
             self._cond.notify_all()
 
+    def hold(self, on: bool) -> None:
+        """Holds generation (or lets it go on) regardless of pause/resume: while the weights are
+        half written by a failed update, nothing may be generated with them."""
+        with self._cond:
+            self._held = on
+            self._cond.notify_all()
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -163,7 +171,9 @@ class BatchEngine:
         torch.set_grad_enabled(False)
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or not (self._rows or self._waiting)):
+                while not self._stopping and (
+                    self._paused or self._held or not (self._rows or self._waiting)
+                ):
                     self._cond.wait()
                 if self._stopping:
                     return

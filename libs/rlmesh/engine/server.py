@@ -215,6 +215,10 @@ def create_app(
 
     @app.get("/health_generate")
     async def health_generate() -> Any:
+        if weights.tainted:
+            return PlainTextResponse(
+                f"{len(weights.tainted)} parameters half written by a failed update", 503
+            )
         params = parse_sampling_params({"max_new_tokens": 1, "temperature": 0})
         request = await run_generate([[0]], params, f"health-{uuid.uuid4().hex[:8]}")
         if request.sequences[0].finish_reason.get("type") == "abort":
@@ -246,6 +250,9 @@ def create_app(
             "busy_s": engine.busy_s,
             # Wall-clock (start, end) periods of model compute, for cross-service overhead sums.
             "busy_intervals": engine.busy.intervals(),
+            "weights_direct_updates": weights.direct_updates,
+            "weights_receiving_direct": weights.receiving_direct,
+            "weights_tainted": len(weights.tainted),
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -310,6 +317,18 @@ def create_app(
             check_load_format(load_format)  # before the thread hop: a bad value is answered at once
 
             def receive_and_load() -> None:
+                group = str(b.get("group_name", "weight_update_group"))
+                span = weights.direct_span(b["names"], b["dtypes"], b["shapes"], load_format)
+                if span is not None:
+                    # Straight into the parameters, so generation holds for the transfer.
+                    with engine.exclusive():
+                        try:
+                            weights.receive_direct(b["names"], span, group)
+                        finally:
+                            engine.hold(bool(weights.tainted))
+                        if b.get("weight_version") is not None:
+                            engine.weight_version = str(b["weight_version"])
+                    return
                 with (
                     weights.receiving(
                         b["names"],
@@ -321,6 +340,7 @@ def create_app(
                     engine.exclusive(),
                 ):
                     weights.load(received, strict=False)
+                    engine.hold(bool(weights.tainted))
                     if b.get("weight_version") is not None:
                         engine.weight_version = str(b["weight_version"])
 
@@ -340,6 +360,7 @@ def create_app(
             def load() -> None:
                 with engine.exclusive():
                     weights.load_from_disk(str(b["model_path"]))
+                    engine.hold(bool(weights.tainted))
                     if b.get("weight_version") is not None:
                         engine.weight_version = str(b["weight_version"])
 

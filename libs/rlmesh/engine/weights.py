@@ -1,5 +1,13 @@
 """The embedded engine's side of weight updates: receive broadcast tensors, load from disk, read
-back by name. Every change happens between decode steps (``BatchEngine.exclusive``)."""
+back by name. Every change happens between decode steps (``BatchEngine.exclusive``).
+
+The parameters live in one uint8 buffer, back to back in ``named_parameters`` order — the order
+the learner sends them in. A flattened bucket whose tensors are a run of that layout (same names,
+dtypes and shapes, in order) is received straight into the parameters: no buffer, no copy. Any
+other update is received into a buffer and copied in. A direct receive that fails midway leaves
+those parameters half written: the engine then holds generation (``tainted``) until every one of
+them has been written again by a later update.
+"""
 
 from __future__ import annotations
 
@@ -40,12 +48,96 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class EngineWeights:
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, pack: bool = True) -> None:
         self.model = model
         self.groups: dict[str, dist.ProcessGroup] = {}
         # The receive buffer of the last update, kept for the next (see ``receiving``).
         self._spare: torch.Tensor | None = None
         self._spare_lock = threading.Lock()
+        self.tainted: set[str] = set()  # parameters a failed direct receive left half written
+        self.direct_updates = 0  # buckets received straight into the parameters
+        self.receiving_direct = False
+        self._packed: torch.Tensor | None = None
+        self._layout: dict[
+            str, tuple[int, int, torch.dtype, tuple[int, ...]]
+        ] = {}  # name -> index, offset, ...
+        self._order: list[str] = []
+        if pack:
+            self.pack()
+
+    def pack(self) -> bool:
+        """Moves the parameters into one buffer in ``named_parameters`` order (module docstring).
+        Leaves them as they are, returning False, if one would not be aligned for its dtype."""
+        named = list(self.model.named_parameters())
+        dtypes = [p.dtype for _, p in named]
+        shapes = [tuple(p.shape) for _, p in named]
+        offsets, total = layout(dtypes, shapes)
+        if any(o % d.itemsize for o, d in zip(offsets, dtypes, strict=True)) or any(
+            p.device.type != "cpu" for _, p in named
+        ):
+            return False
+        buffer = torch.empty(total, dtype=torch.uint8)
+        views = tensor_views(buffer, offsets, dtypes, shapes)
+        with torch.no_grad():
+            for (_, p), view in zip(named, views, strict=True):
+                view.copy_(p.data)
+                p.data = view
+        self._packed = buffer
+        self._order = [n for n, _ in named]
+        self._layout = {
+            n: (i, o, d, s)
+            for i, (n, o, d, s) in enumerate(zip(self._order, offsets, dtypes, shapes, strict=True))
+        }
+        return True
+
+    def direct_span(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        load_format: str | None,
+    ) -> slice | None:
+        """The bytes of the packed parameters a flattened bucket would fill exactly, or None when
+        it is not a run of the layout (then it goes through a buffer)."""
+        if (
+            load_format != FLATTENED_BUCKET
+            or self._packed is None
+            or not names
+            or names[0] not in self._layout
+        ):
+            return None
+        first, start, _, _ = self._layout[names[0]]
+        if self._order[first : first + len(names)] != list(names):
+            return None
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            _, _, want_dtype, want_shape = self._layout[name]
+            if torch_dtype(dtype) != want_dtype or tuple(int(d) for d in shape) != want_shape:
+                return None
+        _, last_offset, last_dtype, last_shape = self._layout[names[-1]]
+        end = last_offset + torch.Size(last_shape).numel() * last_dtype.itemsize
+        return slice(start, end)
+
+    def receive_direct(self, names: Sequence[str], span: slice, group_name: str) -> None:
+        """Receives a flattened bucket straight into the parameters (hold ``engine.exclusive``)."""
+        pg = self.groups.get(group_name)
+        if pg is None:
+            raise WeightUpdateError(
+                f"no weight update group {group_name!r}; call /init_weights_update_group first"
+            )
+        assert self._packed is not None
+        self.receiving_direct = True
+        try:
+            dist.broadcast(self._packed[span], src=0, group=pg)
+        except BaseException:
+            self.tainted.update(names)
+            log.error(
+                "weight receive failed midway: %d parameters are half written; generation holds", len(names)
+            )
+            raise
+        finally:
+            self.receiving_direct = False
+        self.tainted.difference_update(names)
+        self.direct_updates += 1
 
     def params(self) -> dict[str, torch.Tensor]:
         # Tied weights appear once in named_parameters; accept both names for them.
@@ -64,7 +156,9 @@ class EngineWeights:
         timeout_s: float,
     ) -> None:
         if group_name in self.groups:
-            raise WeightUpdateError(f"weight update group {group_name!r} already exists; destroy it first")
+            # The sender of the old group restarted (SGLang replaces a group of the same name too).
+            log.warning("weight update group %s exists; replacing it", group_name)
+            destroy_process_group(self.groups.pop(group_name))
         self.groups[group_name] = init_custom_process_group(
             backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset, group_name, timeout_s
         )
@@ -181,6 +275,7 @@ class EngineWeights:
         with torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t)
+        self.tainted.difference_update(tensors)
 
     def load_from_disk(self, model_path: str) -> None:
         path = Path(model_path)

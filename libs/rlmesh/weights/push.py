@@ -15,11 +15,15 @@ deadline and every HTTP call the client's: nothing hangs silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,7 @@ from rlmesh.weights.group import destroy_process_group, init_custom_process_grou
 log = logging.getLogger("rlmesh.weights")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 
 
 class WeightPushError(RuntimeError):
@@ -82,6 +87,33 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterable[list[tuple[str, 
         yield bucket
 
 
+def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """Runs a blocking call in a daemon thread. A rendezvous whose engine never came waits out its
+    deadline and cannot be cancelled; in asyncio's executor it would hold up the process's exit
+    (those threads are joined), so a learner told to stop would hang for the deadline."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting task
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="weight-group-rendezvous", daemon=True).start()
+    return future
+
+
 class WeightPusher:
     def __init__(
         self,
@@ -91,7 +123,7 @@ class WeightPusher:
         master_address: str = "127.0.0.1",
         timeout_s: float = 300.0,
         bucket_bytes: int = 256 << 20,
-        group_prefix: str = "rlmesh_weights",
+        group_prefix: str | None = None,
         load_format: str | None = FLATTENED_BUCKET,
     ) -> None:
         if load_format not in LOAD_FORMATS:
@@ -103,7 +135,8 @@ class WeightPusher:
         self.master_address = master_address
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
-        self.group_prefix = group_prefix
+        # Unique per pusher: a restarted trainer must not meet its predecessor's group names.
+        self.group_prefix = group_prefix or f"rlmesh_weights_{uuid.uuid4().hex[:8]}"
         self._generation = 0
 
     def set_engines(self, clients: Sequence[EngineClient]) -> list[EngineClient]:
@@ -116,7 +149,8 @@ class WeightPusher:
             link = by_url.pop(client.url, None)
             if link is not None and not link.healthy:
                 self._drop_group(link)
-                unused.append(link.client)
+                if link.client is not client:
+                    unused.append(link.client)
                 link = None
             if link is None:
                 link = EngineLink(client=client)
@@ -150,16 +184,14 @@ class WeightPusher:
         link.group_name = f"{self.group_prefix}_{self._generation}"
         port = free_port(self.master_address)
         world = 1 + link.ranks
-        own = asyncio.create_task(
-            asyncio.to_thread(
-                init_custom_process_group,
-                self.backend,
-                f"tcp://{self.master_address}:{port}",
-                world,
-                0,
-                link.group_name,
-                self.timeout_s,
-            )
+        own = _in_daemon_thread(
+            init_custom_process_group,
+            self.backend,
+            f"tcp://{self.master_address}:{port}",
+            world,
+            0,
+            link.group_name,
+            self.timeout_s,
         )
         try:
             await link.client.init_weights_update_group(
@@ -182,11 +214,10 @@ class WeightPusher:
     ) -> PushReport:
         """Pushes every tensor to every healthy engine (or those whose URL is in ``only``). Engines
         that fail are marked unhealthy and listed in the report; raises ``WeightPushError`` only if
-        no engine got the weights."""
-        await self.connect_or_mark(only)
+        no engine got the weights (an engine whose group could not be built counts as failed)."""
+        failed = await self.connect_or_mark(only)
         start = time.perf_counter()
         targets = [link for link in self.healthy_links if only is None or link.client.url in only]
-        failed: dict[str, str] = {}
         total = 0
         await self._bracket(targets, True, failed)
         for bucket in buckets(named, self.bucket_bytes):
@@ -208,15 +239,18 @@ class WeightPusher:
             engines=[link.name for link in targets if link.name not in failed],
             failed=failed,
         )
-        if targets and not report.engines:
+        if failed and not report.engines:
             raise WeightPushError(failed)
         return report
 
-    async def connect_or_mark(self, only: set[str] | None = None) -> None:
+    async def connect_or_mark(self, only: set[str] | None = None) -> dict[str, str]:
+        """``connect``, returning the engines whose group failed (they are marked unhealthy)."""
         try:
             await self.connect(only)
         except WeightPushError as e:
             log.error("%s", e)
+            return dict(e.failed)
+        return {}
 
     async def _push_bucket(
         self,

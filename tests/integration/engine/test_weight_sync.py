@@ -3,6 +3,8 @@
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
 from rlmesh.weights.push import WeightPusher, WeightPushError
+from tests.helpers import child_env, wait_until
 
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [80, 81, 82]]
 NEW_TOKENS = 8
@@ -47,6 +50,9 @@ def models(tiny_model_dir, other_model_dir):
 def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
     launcher, tiny_model_dir, models, load_format
 ):
+    """state_dict() lists the tied lm_head.weight too, which the engine's packed layout (parameters
+    only) does not hold: with flattened_bucket the buckets before it land straight in the
+    parameters, the last goes through a buffer. Both paths must give the new model exactly."""
     start, target = models
     engines = [launcher.start_engine(tiny_model_dir, name=f"push-{load_format}-{i}") for i in range(2)]
     assert all(engine_greedy(e.url) == greedy_reference(start, PROMPTS) for e in engines)
@@ -75,6 +81,8 @@ def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
         assert engine_greedy(e.url) == expected
         info = httpx.get(e.url + "/get_model_info").json()
         assert info["weight_version"] == "3"
+        direct = httpx.get(e.url + "/get_server_info").json()["weights_direct_updates"]
+        assert (direct > 0) == (load_format == "flattened_bucket")
         launcher.stop(e.process)
 
 
@@ -157,3 +165,69 @@ def test_a_replica_killed_during_a_push_fails_fast_and_the_survivors_get_the_nex
     assert second.engines == ["survivor"] and not second.failed
     assert engine_greedy(survivor.url) == greedy_reference(start, PROMPTS)
     launcher.stop(survivor.process)
+
+
+TRAINER_DIES_MIDWAY = """
+import asyncio, os, sys, httpx, torch
+from transformers import AutoModelForCausalLM
+from rlmesh.engine.client import EngineClient
+from rlmesh.weights.push import WeightPusher
+
+url, model_dir = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+named = list(model.named_parameters())
+
+async def main():
+    client = EngineClient(url, timeout_s=60)
+    pusher = WeightPusher([client], backend="gloo", timeout_s=60)
+    await pusher.connect()
+    link = pusher.links[0]
+    call = asyncio.create_task(client.update_weights_from_distributed(
+        [n for n, _ in named], ["float32"] * len(named), [list(p.shape) for _, p in named],
+        link.group_name, weight_version="9", load_format="flattened_bucket"))
+    # The engine is now inside its receive, straight into its parameters: die before sending.
+    while not httpx.get(url + "/get_server_info").json()["weights_receiving_direct"]:
+        await asyncio.sleep(0.01)
+    os._exit(3)
+
+asyncio.run(main())
+"""
+
+
+def test_a_trainer_dying_midway_holds_generation_until_a_complete_push(launcher, tiny_model_dir, models):
+    _, target = models
+    engine = launcher.start_engine(tiny_model_dir, name="trainer-dies")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINER_DIES_MIDWAY, engine.url, str(tiny_model_dir)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    wait_until(
+        lambda: httpx.get(engine.url + "/get_server_info").json()["weights_tainted"] > 0,
+        60,
+        "the engine to notice the sender is gone",
+    )
+    held = httpx.get(engine.url + "/health_generate", timeout=30)
+    assert held.status_code == 503 and "half written" in held.text
+    assert httpx.get(engine.url + "/get_model_info").json()["weight_version"] != "9"
+
+    async def full_push():
+        client = EngineClient(engine.url, timeout_s=60)
+        pusher = WeightPusher([client], backend="gloo", timeout_s=60)
+        try:
+            report = await pusher.push(list(target.named_parameters()), version=10)
+            await pusher.close()
+            return report
+        finally:
+            await client.aclose()
+
+    report = asyncio.run(full_push())  # a new trainer: its group replaces the dead one's
+    assert not report.failed and len(report.engines) == 1
+    info = httpx.get(engine.url + "/get_server_info").json()
+    assert info["weights_tainted"] == 0 and info["weights_direct_updates"] >= 1
+    assert httpx.get(engine.url + "/health_generate", timeout=30).status_code == 200
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
+    launcher.stop(engine.process)
