@@ -29,3 +29,23 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 
 def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def prompt_items(count: int) -> list:
+    """``count`` one-token prompts (index i holds token i + 1), as a dataset hands them out."""
+    from rlmesh.data import PromptItem
+
+    return [
+        PromptItem(
+            index=i,
+            prompt_ids=[i + 1],
+            prompt_text=f"p{i}",
+            ground_truth=str(i),
+            data_source="arithmetic",
+            ability="math",
+            row=i,
+            file="mem",
+            raw_prompt=f"p{i}",
+        )
+        for i in range(count)
+    ]

@@ -10,6 +10,7 @@ from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.training.collect import BatchCollector
 from rlmesh.training.feeder import PromptFeeder, group_uid, incarnation_of
 from rlmesh.v1 import trajectory_pb2
+from tests.helpers import prompt_items
 
 
 @pytest.fixture(scope="module")
@@ -122,25 +123,11 @@ async def test_collect_times_out_naming_what_is_missing(redis_url):
 
 
 async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the_cursor(redis_url, tmp_path):
-    from rlmesh.data import PromptItem, PromptSampler
+    from rlmesh.data import PromptSampler
 
     redis = connect(redis_url)
     keys = RunKeys(f"f-{uuid.uuid4().hex[:6]}")
-    items = [
-        PromptItem(
-            index=i,
-            prompt_ids=[i + 1],
-            prompt_text=f"p{i}",
-            ground_truth=str(i),
-            data_source="arithmetic",
-            ability="math",
-            extra_info={},
-            row=i,
-            file="mem",
-            raw_prompt=f"p{i}",
-        )
-        for i in range(10)
-    ]
+    items = prompt_items(10)
     sampler = PromptSampler(len(items), shuffle=True, seed=1)
     queue = prompt_queue(redis, keys, "learner")
     await queue.ensure_group()

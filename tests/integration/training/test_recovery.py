@@ -5,13 +5,14 @@ import uuid
 
 import pytest
 
-from rlmesh.data import PromptItem, PromptSampler
+from rlmesh.data import PromptSampler
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.training.collect import BatchCollector
 from rlmesh.training.feeder import PromptFeeder
 from rlmesh.training.recovery import LostGroupRecovery
 from rlmesh.v1 import trajectory_pb2
+from tests.helpers import prompt_items
 
 N = 2
 
@@ -26,17 +27,7 @@ def redis_url(tmp_path_factory):
 async def run(redis_url):
     redis = connect(redis_url)
     keys = RunKeys(f"rec-{uuid.uuid4().hex[:6]}")
-    items = [
-        PromptItem(
-            index=i,
-            prompt_ids=[i + 1],
-            prompt_text=f"p{i}",
-            ground_truth=str(i),
-            data_source="a",
-            ability="m",
-        )
-        for i in range(20)
-    ]
+    items = prompt_items(20)
     prompts = prompt_queue(redis, keys, "learner")
     await prompts.ensure_group()
     feeder = PromptFeeder(
