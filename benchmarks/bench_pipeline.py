@@ -21,11 +21,9 @@ and reports, from the services' own timings:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import grpc
 from rlmesh import demo
 from rlmesh.runtime.busy import Interval, union_seconds
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.v1 import common_pb2, reference_pb2_grpc, rollout_pb2_grpc
+from rlmesh.v1 import common_pb2, reference_pb2_grpc
 
 STEPS = 20
 TARGET = 0.10
@@ -45,12 +43,9 @@ LEARNER_COMPUTE = ("old_log_prob", "values", "update_critic", "update_actor", "p
 
 
 def engine_info(rollout_address: str) -> dict[str, Any]:
-    with grpc.insecure_channel(rollout_address) as channel:
-        url = rollout_pb2_grpc.RolloutStub(channel).GetInfo(common_pb2.Empty(), timeout=10).engine_url
-    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as resp:
-        info = json.loads(resp.read())
+    info = demo.engine_server_info(rollout_address)
     if "busy_intervals" not in info:
-        raise SystemExit(f"the engine at {url} reports no busy_intervals in /get_server_info")
+        raise SystemExit(f"the engine of {rollout_address} reports no busy_intervals in /get_server_info")
     return {
         "busy_s": float(info["busy_s"]),
         "intervals": [(float(a), float(b)) for a, b in info["busy_intervals"]],

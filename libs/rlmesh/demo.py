@@ -162,8 +162,24 @@ def plot(rows: list[dict[str, float]], out: Path) -> None:
     plt.close(fig)
 
 
-def stage_rates(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Tokens per second per stage, from the learner's own timings."""
+def engine_server_info(rollout_address: str) -> dict[str, Any]:
+    """The ``/get_server_info`` of a rollout replica's engine (found through ``Rollout.GetInfo``)."""
+    import urllib.request
+
+    import grpc
+
+    from rlmesh.v1 import common_pb2, rollout_pb2_grpc
+
+    with grpc.insecure_channel(rollout_address) as channel:
+        url = rollout_pb2_grpc.RolloutStub(channel).GetInfo(common_pb2.Empty(), timeout=10).engine_url
+    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def stage_rates(rows: list[dict[str, float]], engines: Sequence[dict[str, Any]] = ()) -> dict[str, float]:
+    """Tokens per second per stage: generation from the engines' own counters (tokens over the time
+    each spent computing; the learner's wait for a batch says nothing of it when generation runs
+    ahead, asynchronously), the rest from the learner's timings."""
     train = [r for r in rows if "timing_s/step" in r]
     if not train:
         return {}
@@ -175,8 +191,12 @@ def stage_rates(rows: list[dict[str, float]]) -> dict[str, float]:
     response_tokens = total("training/response_tokens")
     update = total("timing_s/update_actor") + total("timing_s/update_critic")
     forward = total("timing_s/old_log_prob") + total("timing_s/values")
+    generated = sum(float(e.get("tokens_generated", 0)) for e in engines)
+    engine_busy = sum(float(e.get("busy_s", 0.0)) for e in engines)
     return {
-        "generate_tokens_per_s": response_tokens / max(total("timing_s/gen"), 1e-9),
+        "generate_tokens_per_s": generated / engine_busy
+        if engine_busy > 0
+        else response_tokens / max(total("timing_s/gen"), 1e-9),
         "learner_forward_tokens_per_s": tokens / max(forward, 1e-9),
         "learner_update_tokens_per_s": tokens / max(update, 1e-9),
         "step_tokens_per_s": tokens / max(total("timing_s/step"), 1e-9),
@@ -226,14 +246,23 @@ def run(args: argparse.Namespace) -> int:
     overrides = run_overrides(args, prepared, run_dir, run_id)
     say(f"run {run_id}: logs and metrics in {run_dir}")
     t_ppo = time.monotonic()
+    engines: list[dict[str, Any]] = []
+
+    def read_engines(endpoints: dict[str, Any]) -> None:
+        for address in endpoints["rollouts"]:
+            try:
+                engines.append(engine_server_info(address))
+            except Exception as e:  # the summary falls back to the learner's timings
+                say(f"could not read the engine counters of {address}: {e}")
+
     with ProcessLauncher(run_dir, stop_grace_s=30) as launcher:
-        code = train(launcher, args, overrides, run_dir)
+        code = train(launcher, args, overrides, run_dir, before_stop=read_engines)
         t_train = time.monotonic() - t_start
         ppo_s = time.monotonic() - t_ppo
     if code != 0:
         say(f"the learner failed (exit code {code}); its log: {run_dir / 'logs' / 'learner.log'}")
         return code
-    return summarize(args, prepared, run_dir, run_id, t_train, ppo_s, overrides)
+    return summarize(args, prepared, run_dir, run_id, t_train, ppo_s, overrides, engines)
 
 
 def print_step(step: int, total: int, m: dict[str, float], elapsed_s: float) -> None:
@@ -346,6 +375,7 @@ def summarize(
     wall_s: float,
     ppo_s: float,
     overrides: list[str],
+    engines: Sequence[dict[str, Any]] = (),
 ) -> int:
     import subprocess
 
@@ -382,7 +412,7 @@ def summarize(
     if exported.returncode != 0:
         say(f"export failed:\n{exported.stderr[-2000:]}")
         return 1
-    rates = stage_rates(rows)
+    rates = stage_rates(rows, engines)
     print()
     print("  rlmesh CPU demo: PPO on arithmetic")
     print("  ----------------------------------------------")
