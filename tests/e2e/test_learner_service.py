@@ -198,6 +198,8 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
                 "trainer.test_freq=-1",
                 "trainer.val_before_train=false",
                 "actor_rollout_ref.actor.optim.warmup_ratio=0",
+                # A new lr is the schedule's base: a constant schedule makes it the rate itself.
+                "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
             ],
         )
         with grpc.insecure_channel(learner.grpc_address) as channel:
