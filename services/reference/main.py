@@ -10,7 +10,9 @@ so health stays responsive. GetInfo says when they ran (``busy_s``, also the cou
 when the path does not exist and the config uses no reference (no KL in reward or loss): then it
 starts without one and answers LogProbs with FAILED_PRECONDITION.
 
-Service flags (before or after the overrides; each also read from an environment variable):
+Service settings: config keys under ``rlmesh.reference`` (``model_path``, ``max_tokens``,
+``max_batch_size``, ``device``, ``dtype``), each overridden by a flag (before or after the
+overrides) or, failing that, its environment variable:
   --model-path PATH          the reference model instead of actor_rollout_ref.model.path [RLMESH_REFERENCE_MODEL_PATH]
   --max-tokens N             token budget per forward [RLMESH_REFERENCE_MAX_TOKENS]
   --max-batch-size N         larger batches get INVALID_ARGUMENT (default 1024) [RLMESH_REFERENCE_MAX_BATCH_SIZE]
@@ -40,11 +42,10 @@ from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import common_pb2, reference_pb2, reference_pb2_grpc
 
 DESCRIPTION = (
-    "Reference service: per-token log-probs of responses under the frozen reference policy. Service flags "
-    "(also env RLMESH_REFERENCE_*): --model-path PATH, --max-tokens N, --max-batch-size N, --device D, --dtype T."
+    "Reference service: per-token log-probs of responses under the frozen reference policy. Settings: "
+    "rlmesh.reference.* keys, overridden by flags (or env RLMESH_REFERENCE_*): --model-path PATH, --max-tokens N, --max-batch-size N, --device D, --dtype T."
 )
 SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
-DEFAULT_MAX_BATCH_SIZE = 1024
 DTYPES = ("float32", "bfloat16", "float16")
 
 log = logging.getLogger("rlmesh.reference")
@@ -166,11 +167,7 @@ def option_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser.add_argument("--model-path", default=env("RLMESH_REFERENCE_MODEL_PATH") or None)
     parser.add_argument("--max-tokens", type=int, default=_int(env("RLMESH_REFERENCE_MAX_TOKENS")))
-    parser.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=_int(env("RLMESH_REFERENCE_MAX_BATCH_SIZE")) or DEFAULT_MAX_BATCH_SIZE,
-    )
+    parser.add_argument("--max-batch-size", type=int, default=_int(env("RLMESH_REFERENCE_MAX_BATCH_SIZE")))
     parser.add_argument("--device", default=env("RLMESH_REFERENCE_DEVICE") or None)
     parser.add_argument("--dtype", choices=DTYPES, default=env("RLMESH_REFERENCE_DTYPE") or None)
     return parser
@@ -178,6 +175,18 @@ def option_parser() -> argparse.ArgumentParser:
 
 def _int(value: str | None) -> int | None:
     return int(value) if value else None
+
+
+def _settled(options: argparse.Namespace, cfg: RLMeshConfig) -> argparse.Namespace:
+    """The service's settings: each flag (or its env var), else its ``rlmesh.reference`` key."""
+    section = cfg.rlmesh.reference
+    return argparse.Namespace(
+        model_path=options.model_path or section.model_path,
+        max_tokens=options.max_tokens or section.max_tokens,
+        max_batch_size=options.max_batch_size or section.max_batch_size,
+        device=options.device or section.device,
+        dtype=options.dtype or section.dtype,
+    )
 
 
 def _load(cfg: RLMeshConfig, options: argparse.Namespace, path: str, max_tokens: int) -> Any:
@@ -203,8 +212,9 @@ def _load(cfg: RLMeshConfig, options: argparse.Namespace, path: str, max_tokens:
     )
 
 
-def make_build(options: argparse.Namespace):  # type: ignore[no-untyped-def]
+def make_build(flags: argparse.Namespace):  # type: ignore[no-untyped-def]
     async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
+        options = _settled(flags, cfg)
         path = options.model_path or cfg.actor_rollout_ref.model.path
         max_tokens = options.max_tokens or cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu
         model, missing = None, ""

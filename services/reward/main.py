@@ -5,13 +5,16 @@ model at ``reward_model.model.path``; else ``custom_reward_function.path`` (+ ``
 built-in verl picks by ``data_source``. A function that does not load stops the service at start
 (exit 2) with a message saying why.
 
-Service flags (before or after the overrides; each also read from an environment variable):
+Service settings: config keys under ``rlmesh.reward``, each overridden by a flag (before or after
+the overrides) or, failing that, its environment variable:
   --reward-function NAME        force a built-in (gsm8k, math, math_dapo, arithmetic) for every sample
-                                [RLMESH_REWARD_FUNCTION]
+                                [rlmesh.reward.function, RLMESH_REWARD_FUNCTION]
   --function-timeout-s S        per-sample deadline of a reward function; default rlmesh.reward.timeout_s
-                                [RLMESH_REWARD_FUNCTION_TIMEOUT_S]
-  --max-batch-size N            larger batches get INVALID_ARGUMENT (default 1024) [RLMESH_REWARD_MAX_BATCH_SIZE]
-  --workers N                   threads running sync reward functions (default 32) [RLMESH_REWARD_WORKERS]
+                                [rlmesh.reward.function_timeout_s, RLMESH_REWARD_FUNCTION_TIMEOUT_S]
+  --max-batch-size N            larger batches get INVALID_ARGUMENT (default 1024)
+                                [rlmesh.reward.max_batch_size, RLMESH_REWARD_MAX_BATCH_SIZE]
+  --workers N                   threads running sync reward functions (default 32)
+                                [rlmesh.reward.workers, RLMESH_REWARD_WORKERS]
 """
 
 from __future__ import annotations
@@ -27,13 +30,12 @@ import grpc
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.reward import InvalidRequestError, RewardFunctionLoadError, RewardScorer
-from rlmesh.reward.scorer import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WORKERS
 from rlmesh.runtime.entry import service_main
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 DESCRIPTION = (
-    f"{__doc__.splitlines()[0]} Service flags (also env RLMESH_REWARD_*): --reward-function NAME, "
+    f"{__doc__.splitlines()[0]} Settings: rlmesh.reward.* keys, overridden by flags (or env RLMESH_REWARD_*): --reward-function NAME, "
     "--function-timeout-s S, --max-batch-size N, --workers N."
 )
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
@@ -71,15 +73,13 @@ def option_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--function-timeout-s", type=float, default=_float(env("RLMESH_REWARD_FUNCTION_TIMEOUT_S"))
     )
-    parser.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=int(env("RLMESH_REWARD_MAX_BATCH_SIZE") or DEFAULT_MAX_BATCH_SIZE),
-    )
-    parser.add_argument(
-        "--workers", type=int, default=int(env("RLMESH_REWARD_WORKERS") or DEFAULT_MAX_WORKERS)
-    )
+    parser.add_argument("--max-batch-size", type=int, default=_int(env("RLMESH_REWARD_MAX_BATCH_SIZE")))
+    parser.add_argument("--workers", type=int, default=_int(env("RLMESH_REWARD_WORKERS")))
     return parser
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value else None
 
 
 def _float(value: str | None) -> float | None:
@@ -88,15 +88,16 @@ def _float(value: str | None) -> float | None:
 
 def make_build(options: argparse.Namespace):  # type: ignore[no-untyped-def]
     async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
+        section = cfg.rlmesh.reward  # a flag (or its env var) wins over the config key
         try:
             scorer = await asyncio.to_thread(
                 RewardScorer.from_config,
                 cfg,
                 registry=service.registry,
-                forced=options.reward_function,
-                timeout_s=options.function_timeout_s,
-                max_batch_size=options.max_batch_size,
-                max_workers=options.workers,
+                forced=options.reward_function or section.function,
+                timeout_s=options.function_timeout_s or section.function_timeout_s,
+                max_batch_size=options.max_batch_size or section.max_batch_size,
+                max_workers=options.workers or section.workers,
             )
         except RewardFunctionLoadError as e:
             log.error("cannot start: %s", e)

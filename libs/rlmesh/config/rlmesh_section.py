@@ -51,10 +51,39 @@ class ServiceConfig(Section):
         return [f"{host}:{self.port}"]
 
 
-def _service(name: str) -> Any:
+class RewardServiceConfig(ServiceConfig):
+    """The reward service: where it listens, and how it scores (its flags and env vars override)."""
+
+    function: Literal["gsm8k", "math", "math_dapo", "arithmetic"] | None = Field(
+        None, description="force this built-in scorer for every sample; null = by data_source"
+    )
+    function_timeout_s: float | None = Field(
+        None, gt=0, description="per-sample deadline of a reward function; null = timeout_s"
+    )
+    max_batch_size: int = Field(1024, ge=1, description="samples per Score call; larger calls are refused")
+    workers: int = Field(32, ge=1, description="threads running synchronous reward functions")
+
+
+class ReferenceServiceConfig(ServiceConfig):
+    """The reference service: where it listens, and its model (its flags and env vars override)."""
+
+    model_path: str | None = Field(
+        None, description="the reference model; null = actor_rollout_ref.model.path (the initial actor)"
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="padded tokens per forward; null = ref.log_prob_max_token_len_per_gpu"
+    )
+    max_batch_size: int = Field(1024, ge=1, description="samples per LogProbs call; larger calls are refused")
+    device: str | None = Field(None, description="cpu, cuda, cuda:1, ...; null = cuda when available")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="null = bfloat16 on GPU, float32 on CPU"
+    )
+
+
+def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:
     port, metrics_port = SERVICE_PORTS[name]
     return Field(
-        default_factory=lambda: ServiceConfig(port=port, metrics_port=metrics_port),
+        default_factory=lambda: kind(port=port, metrics_port=metrics_port),
         description=f"the {name} service",
     )
 
@@ -155,8 +184,8 @@ class RlmeshSection(Section):
         "INFO", description="log level"
     )
     log_format: Literal["json", "text"] = Field("json", description="log line format")
-    reward: ServiceConfig = _service("reward")
-    reference: ServiceConfig = _service("reference")
+    reward: RewardServiceConfig = _service("reward", RewardServiceConfig)
+    reference: ReferenceServiceConfig = _service("reference", ReferenceServiceConfig)
     rollout: ServiceConfig = _service("rollout")
     learner: ServiceConfig = _service("learner")
     control: ServiceConfig = _service("control")

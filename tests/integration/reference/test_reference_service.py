@@ -35,10 +35,8 @@ def reference(launcher, tiny_model_dir):
         overrides=[
             *PORTS,
             f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "--max-tokens",
-            "128",
-            "--max-batch-size",
-            "16",
+            "rlmesh.reference.max_tokens=128",  # config keys here; the reward service's test uses flags
+            "rlmesh.reference.max_batch_size=16",
         ],
     )
 

@@ -192,7 +192,7 @@ async def test_replicas_round_robin_and_swap_through_redis_without_restart(launc
     redis_server = launcher.start_redis(name="reward-redis")
     run_id = f"swap-{uuid.uuid4().hex[:6]}"
     a = launcher.start_service(
-        "reward", name="reward-a", overrides=[*port_overrides(), "--reward-function", "gsm8k"]
+        "reward", name="reward-a", overrides=[*port_overrides(), "rlmesh.reward.function=gsm8k"]
     )
     b = launcher.start_service(
         "reward", name="reward-b", overrides=[*port_overrides()], env={"RLMESH_REWARD_FUNCTION": "arithmetic"}

@@ -74,3 +74,19 @@ def test_every_key_can_be_set_by_override() -> None:
             value = "null" if item.default is None else str(item.default).lower()
             overrides.append(f"{item.key}={value}")
     load_config(None, overrides)
+
+
+def test_the_reward_function_choices_are_the_built_ins() -> None:
+    from typing import get_args
+
+    from rlmesh.config.rlmesh_section import RewardServiceConfig
+    from rlmesh.reward import BUILTIN_FUNCTIONS
+
+    choices = get_args(get_args(RewardServiceConfig.model_fields["function"].annotation)[0])
+    assert set(choices) == set(BUILTIN_FUNCTIONS)
+
+
+def test_service_settings_have_keys_and_keep_their_ports() -> None:
+    cfg = load_config(None, ["rlmesh.reward.workers=4", "rlmesh.reference.dtype=bfloat16"])
+    assert cfg.rlmesh.reward.workers == 4 and cfg.rlmesh.reward.port == 50051
+    assert cfg.rlmesh.reference.dtype == "bfloat16" and cfg.rlmesh.reference.max_batch_size == 1024
