@@ -361,7 +361,6 @@ def train(
             {
                 "rollouts": replicas,
                 "reference": services["reference"].grpc_address,
-                "reference_metrics_port": services["reference"].metrics_port,
             }
         )
     return code

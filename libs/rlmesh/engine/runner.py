@@ -146,10 +146,9 @@ class SlotRunner:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         n = self.size
-        positions = self._lens[:n]
-        self._reserve(n, int(positions.max()) + 1)
-        positions = self._lens[:n]
-        span = int(positions.max()) + 1
+        span = int(self._lens[:n].max()) + 1  # the longest row, with the token written now
+        self._reserve(n, span)
+        positions = self._lens[:n]  # after _reserve, which may have replaced the tensor
         rows = torch.arange(n)
         masked = torch.arange(span)[None, :] > positions[:, None]  # [n, span]: not yet written
         groups = self.heads // self.kv_heads

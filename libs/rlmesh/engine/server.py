@@ -291,6 +291,11 @@ def create_app(
             raise ValueError(f"missing fields {missing}")
         return body
 
+    def set_version(body: dict[str, Any]) -> None:
+        """An update's ``weight_version``, when it names one, becomes the engine's."""
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: Request) -> Any:
         try:
@@ -326,23 +331,15 @@ def create_app(
                             weights.receive_direct(b["names"], span, group)
                         finally:
                             engine.hold(bool(weights.tainted))
-                        if b.get("weight_version") is not None:
-                            engine.weight_version = str(b["weight_version"])
+                        set_version(b)
                     return
                 with (
-                    weights.receiving(
-                        b["names"],
-                        b["dtypes"],
-                        b["shapes"],
-                        str(b.get("group_name", "weight_update_group")),
-                        load_format,
-                    ) as received,
+                    weights.receiving(b["names"], b["dtypes"], b["shapes"], group, load_format) as received,
                     engine.exclusive(),
                 ):
                     weights.load(received, strict=False)
                     engine.hold(bool(weights.tainted))
-                    if b.get("weight_version") is not None:
-                        engine.weight_version = str(b["weight_version"])
+                    set_version(b)
 
             await asyncio.to_thread(receive_and_load)
         except Exception as e:
@@ -361,8 +358,7 @@ def create_app(
                 with engine.exclusive():
                     weights.load_from_disk(str(b["model_path"]))
                     engine.hold(bool(weights.tainted))
-                    if b.get("weight_version") is not None:
-                        engine.weight_version = str(b["weight_version"])
+                    set_version(b)
 
             await asyncio.to_thread(load)
         except Exception as e:
