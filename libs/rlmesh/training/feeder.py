@@ -91,7 +91,7 @@ class PromptFeeder:
     async def requeue(self, replaces: str, task: trajectory_pb2.PromptTask, step: int, version: int) -> str:
         """Enqueues a prompt again under a new group uid, in place of group ``replaces`` (its samples
         came back too stale, or were lost)."""
-        _, _, times = self.outstanding.pop(replaces, (step, task, 0))
+        _, _, times = self.outstanding.pop(replaces)
         gid = group_uid(self.incarnation, step, -1)
         fresh = trajectory_pb2.PromptTask()
         fresh.CopyFrom(task)

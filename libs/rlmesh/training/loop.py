@@ -342,18 +342,11 @@ class TrainingLoop:
 
         async def requeue(traj: trajectory_pb2.Trajectory) -> None:
             known = self.feeder.outstanding.get(traj.group_uid)
-            task = (
-                known[1]
-                if known
-                else trajectory_pb2.PromptTask(
-                    prompt_ids=traj.prompt_ids,
-                    ground_truth=traj.ground_truth,
-                    data_source=traj.data_source,
-                    n=cfg.actor_rollout_ref.rollout.n,
-                    sampling_params=self.feeder.sampling,
-                )
-            )
-            await self.feeder.requeue(traj.group_uid, task, step, self.state.version)
+            if known is None:
+                # Already enqueued again (its samples came in over several reads) or replaced:
+                # another copy would only duplicate the prompt.
+                return
+            await self.feeder.requeue(traj.group_uid, known[1], step, self.state.version)
 
         last_sync = time.monotonic()
 
