@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rlmesh.reward.math_reward import balanced_from
+
 SUBSTITUTIONS = (
     ("an ", ""),
     ("a ", ""),
@@ -37,15 +39,7 @@ def last_boxed_only_string(string: str) -> str | None:
     idx = string.rfind("\\boxed{")
     if idx < 0:
         return None
-    depth = 0
-    for i in range(idx, len(string)):
-        if string[i] == "{":
-            depth += 1
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[idx : i + 1]
-    return None
+    return balanced_from(string, idx)
 
 
 def remove_boxed(s: str) -> str:

@@ -54,6 +54,11 @@ def last_boxed_only_string(string: str) -> str | None:
         idx = string.rfind("\\fbox")
         if idx < 0:
             return None
+    return balanced_from(string, idx)
+
+
+def balanced_from(string: str, idx: int) -> str | None:
+    """``string[idx:]`` up to the ``}`` that closes its first ``{``; None if it never closes."""
     depth = 0
     for i in range(idx, len(string)):
         if string[i] == "{":
