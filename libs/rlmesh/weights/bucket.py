@@ -52,6 +52,32 @@ def uint8_buffer(size: int, device: torch.device | str, out: torch.Tensor | None
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 
+def packed_bytes(
+    tensors: Sequence[torch.Tensor], device: torch.device | str | None = None
+) -> torch.Tensor | None:
+    """The flattened_bucket bytes of ``tensors`` without a copy when they already lie back to back,
+    in order, in one storage (on ``device`` when given) — a trainer that packs its weights, as the
+    learner's push buckets do: a uint8 view of that storage. None otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    if device is not None and first.device != torch.device(device):
+        return None
+    storage = first.untyped_storage()
+    start = end = first.storage_offset() * first.element_size()
+    for t in tensors:
+        if (
+            not t.is_contiguous()
+            or t.device != first.device
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() * t.element_size() != end
+        ):
+            return None
+        end += nbytes(t)
+    whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    return whole[start:end]
+
+
 def flatten_tensors(
     tensors: Sequence[torch.Tensor],
     device: torch.device | str | None = None,

@@ -6,7 +6,8 @@ others; a broadcast's bytes leave the trainer once per receiver either way on gl
 bucket, every engine's update call (names, dtypes, shapes, load_format) goes out first, then the
 trainer broadcasts, then the calls' answers are awaited. With ``load_format="flattened_bucket"``
 (SGLang's; the default) the bucket is copied once into one uint8 tensor, shared by all engines,
-and broadcast as a single collective; with ``None`` (SGLang servers without flattened_bucket
+and broadcast as a single collective — or not copied at all when its tensors already lie back to
+back in one storage (``bucket.packed_bytes``); with ``None`` (SGLang servers without flattened_bucket
 support) each tensor is broadcast on its own, in order. On CPU the flat buffer (one bucket's
 bytes) is kept from push to push: see ``rlmesh.weights.bucket``. Every collective has the group's
 deadline and every HTTP call the client's: nothing hangs silently.
@@ -30,13 +31,17 @@ import torch.distributed as dist
 
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.runtime.launcher import free_port
-from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, flatten_tensors
+from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, flatten_tensors, packed_bytes
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
 
 log = logging.getLogger("rlmesh.weights")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
+
+
+class _PayloadError(Exception):
+    """Building a bucket's payload failed (its cause says why); nothing was broadcast."""
 
 
 class WeightPushError(RuntimeError):
@@ -280,63 +285,79 @@ class WeightPusher:
             for link in live
         ]
         try:
-            payload = await self._payload(tensors)
-        except BaseException:
+            errors = await asyncio.to_thread(self._send, live, tensors)
+        except _PayloadError as e:
             # The engines now wait for a broadcast that will not come: their groups are spent.
             self._flat = None
             for link, call in zip(live, calls, strict=True):
                 call.cancel()
                 link.healthy = False
                 self._drop_group(link)
+            raise (e.__cause__ or e) from None
+        except BaseException:
+            # Cancelled: the sending thread may still hold the buffer; don't reuse it.
+            self._flat = None
+            for call in calls:
+                call.cancel()
             raise
-        clean = False
-        try:
-            await asyncio.gather(
-                *(
-                    self._broadcast(link, call, payload, failed)
-                    for link, call in zip(live, calls, strict=True)
-                )
-            )
-            clean = not any(link.name in failed for link in live)
-        finally:
-            if not clean:
-                # Cancelled or failed: a transport may still hold the buffer; don't reuse it.
-                self._flat = None
+        for link, call in zip(live, calls, strict=True):
+            error: BaseException | None = errors.get(link.name)
+            if error is None:
+                try:
+                    await call
+                except (EngineError, RuntimeError, OSError) as e:
+                    error = e
+            else:
+                call.cancel()
+            if error is not None:
+                failed[link.name] = f"{type(error).__name__}: {error}"
+                log.error("engine %s: weight push failed: %s", link.name, error)
+        if any(link.name in failed for link in live):
+            self._flat = None  # a transport may still hold the buffer
 
-    async def _payload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _send(self, live: list[EngineLink], tensors: list[torch.Tensor]) -> dict[str, BaseException]:
+        """Builds the payload and broadcasts it to every engine, in one worker thread: the bytes
+        start to flow as soon as they are ready, with no hop back through the event loop (at tens
+        of MB that hop costs as much as the copy). Returns the engines whose broadcast failed."""
+        try:
+            payload = self._payload(tensors)
+        except BaseException as e:
+            raise _PayloadError() from e
+        works: dict[str, list[dist.Work]] = {}
+        errors: dict[str, BaseException] = {}
+        for link in live:
+            assert link.pg is not None
+            try:
+                # All queued at once (as SGLang receives them), then awaited; every engine's group
+                # has its own gloo worker, so the engines receive concurrently.
+                works[link.name] = [dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payload]
+            except (RuntimeError, OSError) as e:
+                errors[link.name] = e
+        for name, pending in works.items():
+            try:
+                for work in pending:
+                    work.wait()
+            except (RuntimeError, OSError) as e:
+                errors[name] = e
+        return errors
+
+    def _payload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """What to broadcast, in order, shared by every engine: one flat uint8 tensor
         (flattened_bucket) or the tensors themselves."""
         device = "cpu" if self.backend == "gloo" else None
         if self.load_format == FLATTENED_BUCKET:
-            # One copy into one buffer, off the event loop. On CPU the buffer is kept for the next
-            # bucket and push (its first touch page-faults, which costs more than the copy); on
-            # GPU torch's caching allocator already reuses memory.
-            flat = await asyncio.to_thread(flatten_tensors, tensors, device, self._flat)
+            packed = packed_bytes(tensors, device)
+            if packed is not None:
+                return [packed]  # already laid out as the bucket: no copy
+            # One copy into one buffer. On CPU the buffer is kept for the next bucket and push
+            # (its first touch page-faults, which costs more than the copy); on GPU torch's
+            # caching allocator already reuses memory.
+            flat = flatten_tensors(tensors, device, self._flat)
             if flat.device.type == "cpu" and (self._flat is None or flat.numel() > self._flat.numel()):
                 self._flat = flat
             return [flat]
         # .contiguous() and .to() return the tensor itself when it already is: no copy then.
         return [t.contiguous() if device is None else t.contiguous().to(device) for t in tensors]
-
-    async def _broadcast(
-        self, link: EngineLink, call: asyncio.Task[str], payload: list[torch.Tensor], failed: dict[str, str]
-    ) -> None:
-        assert link.pg is not None
-
-        def broadcast_all() -> None:
-            # All queued at once, then awaited (as SGLang receives them): one hand-off to gloo's
-            # worker instead of one round trip per tensor.
-            works = [dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payload]
-            for work in works:
-                work.wait()
-
-        try:
-            await asyncio.to_thread(broadcast_all)
-            await call
-        except (EngineError, RuntimeError, OSError) as e:
-            call.cancel()
-            failed[link.name] = f"{type(e).__name__}: {e}"
-            log.error("engine %s: weight push failed: %s", link.name, e)
 
     async def _bracket(self, links: list[EngineLink], begin: bool, failed: dict[str, str]) -> None:
         """SGLang 0.5.21+ wants a push wrapped in /begin_weight_update ... /end_weight_update."""

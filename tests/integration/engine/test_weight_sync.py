@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import rlmesh.weights.push as push_module
 from rlmesh.engine.client import EngineClient
+from rlmesh.weights.bucket import flatten_tensors, layout, tensor_views
 from rlmesh.weights.push import WeightPusher, WeightPushError
 from tests.helpers import child_env, wait_until
 
@@ -84,6 +86,45 @@ def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
         direct = httpx.get(e.url + "/get_server_info").json()["weights_direct_updates"]
         assert (direct > 0) == (load_format == "flattened_bucket")
         launcher.stop(e.process)
+
+
+def test_a_trainer_whose_weights_lie_packed_pushes_them_without_a_copy(
+    launcher, tiny_model_dir, models, monkeypatch
+):
+    """Tensors that are back-to-back views of one buffer (as the learner's push buckets are) are
+    broadcast from that buffer itself: the pusher never copies them, and the engine gets them."""
+    _, target = models
+    named = list(target.state_dict().items())
+    tensors = [t for _, t in named]
+    dtypes, shapes = [t.dtype for t in tensors], [t.shape for t in tensors]
+    offsets, _ = layout(dtypes, shapes)
+    packed = list(
+        zip(
+            [n for n, _ in named],
+            tensor_views(flatten_tensors(tensors), offsets, dtypes, shapes),
+            strict=True,
+        )
+    )
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("packed tensors were copied")
+
+    monkeypatch.setattr(push_module, "flatten_tensors", no_copy)
+    engine = launcher.start_engine(tiny_model_dir, name="push-packed")
+
+    async def push():
+        client = EngineClient(engine.url, timeout_s=120)
+        pusher = WeightPusher([client], backend="gloo", timeout_s=60, bucket_bytes=64 << 10)
+        try:
+            return await pusher.push(packed, version=4)
+        finally:
+            await pusher.close()
+            await client.aclose()
+
+    report = asyncio.run(push())
+    assert not report.failed and report.engines == [engine.url]
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
+    launcher.stop(engine.process)
 
 
 def test_an_unknown_load_format_is_refused_at_once_naming_it(launcher, tiny_model_dir):

@@ -12,7 +12,7 @@ from torch import nn
 
 from rlmesh.engine.weights import EngineWeights, WeightUpdateError
 from rlmesh.runtime.launcher import free_port
-from rlmesh.weights.bucket import flatten_tensors, layout, unflatten_tensors
+from rlmesh.weights.bucket import flatten_tensors, layout, packed_bytes, tensor_views, unflatten_tensors
 
 
 def mixed_tensors() -> list[torch.Tensor]:
@@ -63,6 +63,33 @@ def test_flatten_reuses_a_big_enough_buffer():
     flat = flatten_tensors(tensors, out=spare)
     assert flat.data_ptr() == spare.data_ptr() and flat.numel() == 46
     assert flatten_tensors(tensors, out=torch.empty(10, dtype=torch.uint8)).numel() == 46  # too small: new
+
+
+def test_tensors_already_packed_are_their_own_bucket_without_a_copy():
+    tensors = mixed_tensors()
+    buffer = flatten_tensors(tensors)
+    offsets, _ = layout([t.dtype for t in tensors], [t.shape for t in tensors])
+    views = tensor_views(buffer, offsets, [t.dtype for t in tensors], [t.shape for t in tensors])
+    # Views of the front of one storage, back to back: the bucket is those very bytes.
+    front = views[:2]
+    packed = packed_bytes(front)
+    assert packed is not None and packed.data_ptr() == buffer.data_ptr()
+    assert torch.equal(packed, flatten_tensors(front))
+    # The same views from a storage offset: still one run.
+    inner = [torch.arange(6.0), torch.arange(4.0)]
+    backing = torch.cat([torch.zeros(3), *inner])
+    run = [backing[3:9], backing[9:13].view(2, 2)]
+    got = packed_bytes(run)
+    assert got is not None and torch.equal(got, flatten_tensors(inner))
+    assert got.data_ptr() == backing[3:].data_ptr()
+    # Anything else needs the copy: separate tensors, a gap, a wrong order, not contiguous,
+    # another device than asked for.
+    assert packed_bytes([torch.zeros(2), torch.zeros(2)]) is None
+    assert packed_bytes([backing[0:2], backing[3:5]]) is None
+    assert packed_bytes([backing[2:4], backing[0:2]]) is None
+    assert packed_bytes([backing[:12].view(3, 4).t()]) is None
+    assert packed_bytes(run, device="meta") is None
+    assert packed_bytes([]) is None
 
 
 def test_layout_aligns_when_asked():
