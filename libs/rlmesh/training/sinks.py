@@ -28,6 +28,11 @@ CONSOLE_KEYS = (
 )
 
 
+# Wall-clock timestamps (Unix seconds) of when each phase began: for offline analysis of a run's
+# timeline (``make bench`` reads them from metrics.jsonl), meaningless as a plotted series.
+JSONL_ONLY_PREFIXES = ("timing_start/",)
+
+
 def _prom_name(key: str) -> str:
     return "rlmesh_learner_" + "".join(c if c.isalnum() else "_" for c in key)
 
@@ -73,6 +78,7 @@ class MetricsSinks:
         if self.jsonl_path is not None:
             with self.jsonl_path.open("a") as f:
                 f.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        clean = {k: v for k, v in clean.items() if not k.startswith(JSONL_ONLY_PREFIXES)}
         if self.registry is not None:
             for key, value in clean.items():
                 gauge = self._gauges.get(key)
