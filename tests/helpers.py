@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +26,19 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.02)
+
+
+async def eventually(read: Callable, expected: object, what: str, timeout_s: float = 30) -> None:
+    """Polls ``await read()`` until it returns ``expected``; fails naming ``what`` and the last value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (value := await read()) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"waiting for {what}: still {value!r}"
+        await asyncio.sleep(0.02)
+
+
+async def blocked_reads(redis) -> int:
+    """Connections Redis holds blocked in XREADGROUP, from the server's own client list."""
+    return sum(1 for c in await redis.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"])
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,9 +13,25 @@ import torch
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.rollout.sampler import SamplerLoop, parse_version, sampling_dict
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
+from rlmesh.weights.bucket import LOAD_FORMATS
 from rlmesh.wire import torch_to_proto
 
 log = logging.getLogger("rlmesh.rollout")
+
+# The request's spellings of one broadcast per tensor, which the engine gets as no load_format at
+# all (SGLang's default): unset, or the name rlmesh.weight_sync.load_format gives it.
+PER_TENSOR = ("", "per_tensor")
+
+
+def engine_load_format(value: str) -> str | None:
+    """The engine's ``load_format`` for an ``UpdateWeightsFromDistributedRequest.load_format``;
+    ValueError, naming the value and the known ones, for any other."""
+    if value in PER_TENSOR:
+        return None
+    if value in LOAD_FORMATS:
+        return value
+    known = [*PER_TENSOR, *(f for f in LOAD_FORMATS if f is not None)]
+    raise ValueError(f"unknown load_format {value!r}; known: {', '.join(map(repr, known))}")
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -95,8 +111,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return self.state
 
     async def Pause(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        self.sampler.pause()
-        return common_pb2.Ack(success=True, message="stopped claiming tasks; in-flight tasks finish")
+        # Answers only once the sampler has no claim in progress: nothing is claimed after this.
+        await self.sampler.pause()
+        return common_pb2.Ack(
+            success=True,
+            message=f"stopped claiming tasks; {self.sampler.in_flight} in-flight task(s) finish",
+        )
 
     async def Resume(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         if self.state == "draining":
@@ -130,6 +150,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeightsFromDistributed(
         self, request: rollout_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.Ack:
+        try:
+            load_format = engine_load_format(request.load_format)
+        except ValueError as e:
+            # Refused before the engine hears of it: the sender then learns why at once, instead of
+            # after its broadcast waited for a receiver that is not there.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return await self._forward(
             self.engine.update_weights_from_distributed(
                 [t.name for t in request.tensors],
@@ -138,6 +164,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 request.group_name or "weight_update_group",
                 str(request.weight_version),
                 request.flush_cache,
+                load_format=load_format,
             ),
             request.weight_version,
         )

@@ -4,7 +4,8 @@
   a batch that would take the stream past ``maxlen``: unconsumed work is never trimmed away.
 - ``claim`` returns, in this order: this consumer's own pending entries left from before a
   reconnect or restart, entries other consumers claimed but left idle for ``claim_idle_ms``
-  (a dead consumer's work), then new entries.
+  (a dead consumer's work), then new entries. ``interrupt`` ends a claim in progress early, a
+  blocked wait included, and loses nothing.
 - ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work.
 - Poison entries (undecodable, or delivered more than ``max_deliveries`` times) move to the
   dead-letter stream with the reason; they never block the queue.
@@ -65,6 +66,15 @@ class DeadLetter(Generic[M]):
     message: M | None  # None when the payload was missing or undecodable
 
 
+@dataclass(eq=False)
+class _Claim:
+    """One ``claim`` in progress, as ``interrupt`` sees it."""
+
+    interrupted: bool = False
+    # The server-side id of the connection while it is in (or about to be in) its blocking read.
+    client_id: int | None = None
+
+
 class QueueMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # registry=None keeps the counters unregistered (tests, several queues in one process).
@@ -112,6 +122,7 @@ class StreamQueue(Generic[M]):
         self._put = redis.register_script(_PUT_SCRIPT)
         self._read_own_pending = True
         self._label = stream.rsplit(":", 1)[-1]
+        self._claims: set[_Claim] = set()
 
     async def ensure_group(self) -> None:
         """Creates the stream and its consumer group (from the first entry) if missing."""
@@ -144,19 +155,42 @@ class StreamQueue(Generic[M]):
         return list(ids)
 
     async def claim(self, count: int, block_ms: int | None = None) -> list[Delivery[M]]:
-        """Up to ``count`` entries for this consumer; waits up to ``block_ms`` only when none is ready."""
-        out: list[Delivery[M]] = []
-        if self._read_own_pending:
-            entries = await self._read(count, "0", None)
-            if len(entries) < count:
-                self._read_own_pending = False
-            out += await self._accept(entries, "own_pending", await self._delivery_counts(entries))
-        if len(out) < count:
-            out += await self._reclaim(count - len(out))
-        if len(out) < count:
-            entries = await self._read(count - len(out), ">", None if out else block_ms)
-            out += await self._accept(entries, "new", {eid: 1 for eid, _ in entries})
-        return out
+        """Up to ``count`` entries for this consumer; waits up to ``block_ms`` only when none is ready.
+        ``interrupt`` makes it return early with what it has got so far."""
+        claim = _Claim()
+        self._claims.add(claim)
+        try:
+            out: list[Delivery[M]] = []
+            if self._read_own_pending:
+                entries = await self._read(count, "0", None)
+                if len(entries) < count:
+                    self._read_own_pending = False
+                out += await self._accept(entries, "own_pending", await self._delivery_counts(entries))
+            if len(out) < count and not claim.interrupted:
+                out += await self._reclaim(count - len(out))
+            if len(out) < count and not claim.interrupted:
+                if out or block_ms is None:
+                    entries = await self._read(count - len(out), ">", None)
+                else:
+                    entries = await self._read_blocking(count, block_ms, claim)
+                out += await self._accept(entries, "new", {eid: 1 for eid, _ in entries})
+            return out
+        finally:
+            self._claims.discard(claim)
+
+    async def interrupt(self) -> None:
+        """Ends the claims in progress as soon as it can: one that has not reached its blocking wait
+        skips it and reads no new entries, one in it is woken (CLIENT UNBLOCK: Redis answers it as if
+        ``block_ms`` had run out). Each returns the entries it had been handed by then: none is lost.
+        Claims that start later are not affected.
+
+        It does not wait for them to return. When Redis answers the wake the blocked read is over
+        server-side (nothing more can be handed to it); in the one case the wake cannot reach it
+        (the read still on its way to Redis when woken), that claim ends after its ``block_ms``."""
+        for claim in list(self._claims):
+            claim.interrupted = True
+            if claim.client_id is not None:
+                await self.redis.client_unblock(claim.client_id)
 
     async def ack(self, entry_ids: Sequence[bytes]) -> None:
         """Acknowledges and deletes; acking an entry twice is harmless."""
@@ -228,10 +262,46 @@ class StreamQueue(Generic[M]):
         reply = await self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
         )
-        if not reply:
-            return []
-        [[_stream, entries]] = reply  # RESP2: one [stream, [(id, fields), ...]] per stream asked
-        return [(eid, fields) for eid, fields in entries]
+        return _entries(reply)
+
+    async def _read_blocking(
+        self, count: int, block_ms: int, claim: _Claim
+    ) -> list[tuple[bytes, dict | None]]:
+        """XREADGROUP BLOCK for new entries, woken early by ``interrupt``. To wake it, ``interrupt``
+        needs the id Redis gave this connection: CLIENT ID goes out in the same write as the read, so
+        knowing it costs no round trip. Both replies are read off one pooled connection here, which is
+        what redis-py does for a pipeline (its retry and disconnect-on-error included)."""
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        read_new = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms)
+        commands = conn.pack_commands([("CLIENT", "ID"), (*read_new, "STREAMS", self.stream, ">")])
+
+        async def read() -> object:
+            claim.client_id = None
+            if claim.interrupted:
+                return None
+            await conn.send_packed_command(commands)
+            client_id = int(await conn.read_response())
+            claim.client_id = client_id
+            if claim.interrupted:
+                # interrupt() came while the commands were on their way and could not name this
+                # connection yet: wake it from here. Redis ran the read along with CLIENT ID (one
+                # write), so it is blocked now, or already answered.
+                await self.redis.client_unblock(client_id)
+            return await conn.read_response()
+
+        async def reconnect(error: Exception) -> None:
+            await conn.disconnect(error=error)
+
+        try:
+            # A connection error is retried like any command; a cancellation or any other error
+            # while reading drops the connection (redis-py's read_response does), so it never goes
+            # back to the pool with a reply still on its way.
+            reply = await conn.retry.call_with_retry(read, reconnect)
+        finally:
+            claim.client_id = None
+            await pool.release(conn)
+        return _entries(self.redis.response_callbacks["XREADGROUP"](reply))
 
     async def _reclaim(self, count: int) -> list[Delivery[M]]:
         """Claims entries other consumers left idle past ``claim_idle_ms``. Not XAUTOCLAIM: that
@@ -307,3 +377,11 @@ class StreamQueue(Generic[M]):
         if out and self.metrics:
             self.metrics.delivered.labels(self._label, how).inc(len(out))
         return out
+
+
+def _entries(reply: object) -> list[tuple[bytes, dict | None]]:
+    """The (id, fields) pairs of a one-stream XREADGROUP reply as redis-py parses it."""
+    if not reply:
+        return []
+    [[_stream, entries]] = reply  # one [stream, [(id, fields), ...]] per stream asked
+    return [(eid, fields) for eid, fields in entries]

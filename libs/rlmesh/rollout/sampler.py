@@ -6,6 +6,10 @@ answer), publishes one ``Trajectory`` per sample and only then acks the task. Se
 in flight at once, so generation of later tasks goes on while earlier ones wait for scores. A
 task still being worked on is touched regularly so no other replica reclaims it; a task whose
 replica dies is reclaimed by another one after ``claim_idle_ms``.
+
+``pause`` (and ``drain``) is a guarantee, not a hint: when it returns, no claim is in progress — one
+blocked waiting for tasks is woken, with nothing — and none starts until ``resume``. Tasks a claim
+got before that are in flight like any other, and finish.
 """
 
 from __future__ import annotations
@@ -141,14 +145,25 @@ class SamplerLoop:
         self.tasks_done = 0
         self.tokens_generated = 0
         self._started = time.monotonic()
-        self._claiming = asyncio.Event()
+        self._claiming = asyncio.Event()  # cleared by pause()
         self._claiming.set()
+        self._parked = asyncio.Event()  # set while no claim is in progress
+        self._parked.set()
         self._stop = asyncio.Event()
         self._in_flight: dict[bytes, asyncio.Task[None]] = {}
 
     # ----- control -----
-    def pause(self) -> None:
+    async def pause(self) -> None:
+        """Stops claiming. On return no claim is in progress and none starts until ``resume``; tasks
+        claimed before are in ``in_flight`` and finish. A claim blocked waiting for new tasks is
+        woken rather than waited for, so this takes a round trip to Redis, not ``claim_block_ms``."""
         self._claiming.clear()
+        if not self._parked.is_set():
+            # With Redis unreachable the wake cannot be sent; the claim then ends on its own, after
+            # claim_block_ms or with the same error.
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await self.prompts.interrupt()
+            await self._parked.wait()
 
     def resume(self) -> None:
         self._claiming.set()
@@ -158,6 +173,10 @@ class SamplerLoop:
         return not self._claiming.is_set()
 
     @property
+    def claim_in_progress(self) -> bool:
+        return not self._parked.is_set()
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
@@ -165,9 +184,9 @@ class SamplerLoop:
         return self.tokens_generated / max(1e-9, time.monotonic() - self._started)
 
     async def drain(self, timeout_s: float) -> int:
-        """Stops claiming and waits for in-flight tasks; returns how many did not finish (they stay
-        pending in Redis and another replica reclaims them)."""
-        self.pause()
+        """Stops claiming (``pause``) and waits for in-flight tasks; returns how many did not finish
+        (they stay pending in Redis and another replica reclaims them)."""
+        await self.pause()
         tasks = list(self._in_flight.values())
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout_s)
@@ -192,19 +211,28 @@ class SamplerLoop:
                 if room <= 0 or (self.can_claim is not None and not await self.can_claim()):
                     await self._wait_for_room()
                     continue
+                if not self._claiming.is_set():
+                    continue  # paused while can_claim() was asked
                 try:
-                    deliveries = await self.prompts.claim(room, block_ms=self.settings.claim_block_ms)
+                    await self._claim(room)
                 except TRANSIENT_ERRORS as e:
                     log.warning("claim failed, Redis unavailable: %s", e)
                     await asyncio.sleep(0.5)
-                    continue
-                for delivery in deliveries:
-                    task = asyncio.create_task(self._handle(delivery))
-                    self._in_flight[delivery.entry_id] = task
-                    task.add_done_callback(lambda _t, eid=delivery.entry_id: self._in_flight.pop(eid, None))
-                self.metrics.in_flight.set(len(self._in_flight))
         finally:
             toucher.cancel()
+
+    async def _claim(self, room: int) -> None:
+        # Parked again only once what the claim returned is in flight: pause() then reports it.
+        self._parked.clear()
+        try:
+            deliveries = await self.prompts.claim(room, block_ms=self.settings.claim_block_ms)
+            for delivery in deliveries:
+                task = asyncio.create_task(self._handle(delivery))
+                self._in_flight[delivery.entry_id] = task
+                task.add_done_callback(lambda _t, eid=delivery.entry_id: self._in_flight.pop(eid, None))
+            self.metrics.in_flight.set(len(self._in_flight))
+        finally:
+            self._parked.set()
 
     async def _wait_for_room(self) -> None:
         if self._in_flight:

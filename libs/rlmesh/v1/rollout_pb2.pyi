@@ -101,18 +101,20 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsFromDistributedRequest(_message.Message):
-    __slots__ = ("tensors", "group_name", "flush_cache", "weight_version", "timeout_s")
+    __slots__ = ("tensors", "group_name", "flush_cache", "weight_version", "timeout_s", "load_format")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     group_name: str
     flush_cache: bool
     weight_version: int
     timeout_s: float
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., group_name: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    load_format: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., group_name: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., load_format: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsFromDiskRequest(_message.Message):
     __slots__ = ("model_path", "load_format", "weight_version", "flush_cache")

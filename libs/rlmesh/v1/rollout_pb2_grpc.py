@@ -109,7 +109,9 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pause(self, request, context):
-        """Stop claiming new tasks and hold generation (in-flight requests finish); Resume undoes it.
+        """Stop claiming new tasks; Resume undoes it. It answers once nothing more can be claimed (a claim
+        blocked waiting for tasks is ended first): from then on no task is claimed until Resume. Tasks
+        claimed before it answered are in flight (RolloutInfo.running_requests) and finish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,7 +156,7 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Finish in-flight work, stop claiming, deregister from the replica registry.
+        """Stop claiming (as Pause does), finish in-flight work, deregister from the replica registry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

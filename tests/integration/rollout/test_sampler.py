@@ -26,6 +26,7 @@ from rlmesh.v1 import (
     reward_pb2_grpc,
     trajectory_pb2,
 )
+from tests.helpers import blocked_reads, eventually
 
 
 class LengthReward(reward_pb2_grpc.RewardServicer):
@@ -123,12 +124,14 @@ async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, **set
         score=score,
         ref_logprobs=ref,
         settings=SamplerSettings(
-            replica_id="replica-1",
-            claim_block_ms=100,
-            backoff_s=0.05,
-            max_backoff_s=0.2,
-            sampling_defaults={"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
-            **settings,
+            **{
+                "replica_id": "replica-1",
+                "claim_block_ms": 100,
+                "backoff_s": 0.05,
+                "max_backoff_s": 0.2,
+                "sampling_defaults": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+                **settings,
+            }
         ),
         reward_breaker=CircuitBreaker("reward", failures=3, reset_s=0.2),
         reference_breaker=CircuitBreaker("reference", failures=3, reset_s=0.2),
@@ -167,10 +170,11 @@ def reference_model(model_dir):
 
 
 @contextlib.asynccontextmanager
-async def running_sampler(stack, reference_model, *, reward_up=True):
+async def running_sampler(stack, reference_model, *, reward_up=True, **settings):
     """A sampler on the real engine with fresh queues, a reference server and (unless
     ``reward_up=False``) a reward server on ``ctx.reward_port``; everything stops on exit,
-    servers the test appended to ``ctx.servers`` included."""
+    servers the test appended to ``ctx.servers`` included. ``settings`` override the
+    ``SamplerSettings``."""
     redis_server, engine = stack
     keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
     reward_port = free_port()
@@ -186,7 +190,7 @@ async def running_sampler(stack, reference_model, *, reward_up=True):
             )
         )
     sampler, redis, chans = await make_sampler(
-        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", servers[0].address
+        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", servers[0].address, **settings
     )
     runner = asyncio.create_task(sampler.run())
     prompts = prompt_queue(redis, keys, "learner")
@@ -265,3 +269,31 @@ async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, reference_m
         ((_, fields),) = await ctx.redis.xrange(ctx.keys.dead_letters)
         assert b"token ids must be integers in [0, 100)" in fields[b"reason"]
         assert trajectory_pb2.PromptTask.FromString(fields[b"p"]).uid == "bad"
+
+
+async def test_pause_and_drain_end_a_blocked_claim_and_nothing_is_claimed_until_resume(
+    stack, reference_model
+):
+    # A claim blocks far longer than the test: one that ends did so because pause() woke it.
+    async with running_sampler(stack, reference_model, claim_block_ms=20_000) as ctx:
+        await eventually(lambda: blocked_reads(ctx.redis), 1, "the sampler to block on the empty stream")
+        await ctx.sampler.pause()
+        # The loop has no claim in progress and Redis holds no read for it: nothing can be claimed,
+        # and a read still blocked would be handed the tasks before put() is even answered.
+        assert ctx.sampler.paused and not ctx.sampler.claim_in_progress
+        assert await blocked_reads(ctx.redis) == 0
+        await ctx.prompts.put([task("p1", n=1), task("p2", n=1)])
+        assert await ctx.prompts.pending() == 0 and await ctx.prompts.unread() == 2
+        assert ctx.sampler.in_flight == 0 and not ctx.sampler.claim_in_progress
+
+        ctx.sampler.resume()
+        trajs = await collect(ctx.redis, ctx.keys, 2)
+        assert sorted(t.uid for t in trajs) == ["g-p1/0", "g-p2/0"]
+        await eventually(ctx.prompts.length, 0, "the tasks to be acked")
+
+        # Drain pauses the same way before it waits for in-flight work.
+        await eventually(lambda: blocked_reads(ctx.redis), 1, "the sampler to block again")
+        assert await ctx.sampler.drain(5) == 0
+        assert await blocked_reads(ctx.redis) == 0 and not ctx.sampler.claim_in_progress
+        await ctx.prompts.put([task("p3", n=1)])
+        assert await ctx.prompts.pending() == 0 and await ctx.prompts.unread() == 1
