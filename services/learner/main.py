@@ -3,8 +3,9 @@
 Rank 0 serves ``rlmesh.v1.Learner`` and runs the training loop (``rlmesh.training.loop``): it
 feeds prompt tasks, collects trajectory batches, trains, pushes weights to every live rollout
 replica, checkpoints and validates. Other ranks (``deepspeed --num_gpus N`` or ``torchrun``)
-run the same trainer collectives as rank 0 announces them. When the run is done the process
-exits 0; a failed run exits 1 with the error logged.
+run the same trainer collectives as rank 0 announces them; they outlive a SIGTERM until rank 0,
+which finishes its step and final checkpoint with them, says stop, and exit 1 if rank 0 dies.
+When the run is done the process exits 0; a failed run exits 1 with the error logged.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -63,14 +65,21 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
         loop.state.stop_requested = True  # SIGTERM: finish the step, checkpoint, stop
         if task and not task[0].done():
             await task[0]
+        # The run tells the other ranks to stop when it ends; one that never began (the server
+        # failed to start) must still release them from their wait for its first command.
+        loop.followers.finish("" if task else "the learner service stopped before its run began")
 
     service.on_start(start)
     service.on_shutdown(stop)
 
 
 def follower_main(argv: Sequence[str] | None) -> int:
-    """Ranks > 0: build the same trainer and run the collectives rank 0 announces."""
-    from rlmesh.training.loop import TrainingLoop, follow
+    """Ranks > 0: build the same trainer and run the collectives rank 0 announces.
+
+    Exits 0 when rank 0 ended its run normally, 1 when rank 0 failed or died, or a collective
+    failed here (rank 0 then sees this process exit and fails too).
+    """
+    from rlmesh.training.loop import RankZeroLost, TrainingLoop, follow
 
     limit_torch_threads()
     args = service_arg_parser("learner").parse_args(argv)
@@ -79,14 +88,31 @@ def follower_main(argv: Sequence[str] | None) -> int:
     except ConfigError as e:
         print(f"rlmesh learner: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    configure_logging(
-        f"learner-rank{os.environ.get('RANK')}",
-        cfg.rlmesh.run_id,
-        cfg.rlmesh.log_level,
-        cfg.rlmesh.log_format,
-    )
-    loop = TrainingLoop(cfg, make_trainer, follower=True)
-    follow(loop.trainer)
+    rank = os.environ.get("RANK")
+    configure_logging(f"learner-rank{rank}", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
+
+    def on_signal(signum: int, frame: object) -> None:
+        # Launchers (torchrun, compose, a dying parent's PDEATHSIG) signal every rank at once. Rank
+        # 0 then finishes its step and writes the final checkpoint, collectives this rank must take
+        # part in: dying now would break them. It stops when rank 0 says so, or when rank 0 is gone.
+        log.info("%s: rank %s stops when rank 0 ends the run", signal.Signals(signum).name, rank)
+
+    try:
+        loop = TrainingLoop(cfg, make_trainer, follower=True)
+        # Only now: during start-up a signal must still stop this rank (rank 0 may never come up).
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        failure = follow(loop.trainer, loop.followers)
+    except RankZeroLost as e:
+        log.error("rank %s: rank 0 is gone, stopping: %s", rank, e)
+        return 1
+    except Exception:
+        log.exception("rank %s failed", rank)
+        return 1
+    if failure:
+        log.error("rank %s: rank 0's run failed (%s), stopping", rank, failure)
+        return 1
+    log.info("rank %s: rank 0 ended the run", rank)
     return 0
 
 

@@ -4,7 +4,6 @@ weight push, checkpoints and the Learner control RPCs."""
 import json
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import grpc
@@ -13,92 +12,25 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlmesh.data import generate_arithmetic
 from rlmesh.learner import latest_checkpoint
-from rlmesh.learner.sft import arithmetic_examples, run_sft
-from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from tests.e2e.common import CONFIG, REPO, engine_url, prepare_model_and_data, start_peers
 from tests.helpers import child_env, wait_until
-
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "cpu_demo.yaml"
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prep")
-    base = build_tiny_model(root / "base", build_tokenizer(), hidden_size=64, num_layers=2, seed=0)
-    data = generate_arithmetic(
-        root / "data", 0, train_size=200, val_size=16, min_terms=2, max_terms=2, max_operand=20, ops="+-"
-    )
-    examples, _ = arithmetic_examples(str(data["train"]), load_tokenizer(base))
-    run_sft(
-        str(base),
-        str(root / "sft"),
-        examples,
-        epochs=1,
-        lr=1e-3,
-        batch_size=32,
-        seed=0,
-        log_fn=lambda m: None,
-    )
-    return root / "sft", data
+    return prepare_model_and_data(tmp_path_factory.mktemp("prep"))
 
 
 def start_stack(launcher, prepared, run_dir, extra):
-    model, data = prepared
-    run_id = f"e2e-{uuid.uuid4().hex[:6]}"
-    redis = launcher.start_redis()
-    common = [
-        f"rlmesh.run_id={run_id}",
-        f"rlmesh.redis_url={redis.url}",
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={data['train']}",
-        f"data.val_files={data['test']}",
-        f"trainer.default_local_dir={run_dir}",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "critic.ppo_micro_batch_size_per_gpu=8",
-        *extra,
-    ]
-    svc = {}
-    for name in ("reward", "reference"):
-        svc[name] = launcher.start_service(
-            name,
-            config_path=CONFIG,
-            overrides=[*common, f"rlmesh.{name}.port=0", f"rlmesh.{name}.metrics_port=0"],
-        )
-    peers = [
-        f"rlmesh.reward.addresses=['{svc['reward'].grpc_address}']",
-        f"rlmesh.reference.addresses=['{svc['reference'].grpc_address}']",
-    ]
-    rollout = launcher.start_service(
-        "rollout",
-        config_path=CONFIG,
-        overrides=[
-            *common,
-            *peers,
-            "rlmesh.rollout.port=0",
-            "rlmesh.rollout.metrics_port=0",
-            "rlmesh.sampler.replica_id=r0",
-        ],
-    )
+    peers = start_peers(launcher, prepared, run_dir, extra)
     learner = launcher.start_service(
-        "learner",
-        config_path=CONFIG,
-        timeout_s=300,
-        overrides=[*common, *peers, "rlmesh.learner.port=0", "rlmesh.learner.metrics_port=0"],
+        "learner", config_path=CONFIG, timeout_s=300, overrides=peers.learner_overrides
     )
-    learner.rollout_address = rollout.grpc_address
-    return learner, common
-
-
-def engine_url(rollout_address):
-    with grpc.insecure_channel(rollout_address) as channel:
-        return rollout_pb2_grpc.RolloutStub(channel).GetInfo(common_pb2.Empty(), timeout=10).engine_url
+    learner.rollout_address = peers.rollout.grpc_address
+    return learner, peers.common
 
 
 def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepared):

@@ -111,6 +111,18 @@ class ServiceInstance:
     metrics_port: int | None
 
 
+@dataclass
+class LearnerRanks:
+    """A data-parallel learner: rank 0 serves gRPC and drives the run, the others follow it."""
+
+    rank0: ServiceInstance
+    followers: list[ManagedProcess]
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [self.rank0.process, *self.followers]
+
+
 class ProcessLauncher:
     """Starts children, waits until each is healthy, and stops all of them on the way out."""
 
@@ -152,15 +164,23 @@ class ProcessLauncher:
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
         return proc
 
-    def wait_ready(self, proc: ManagedProcess, ready: Callable[[], bool], timeout_s: float) -> None:
-        """Polls ``ready`` until it holds; fails fast if the child exits, naming it with its log."""
+    def wait_ready(
+        self,
+        proc: ManagedProcess,
+        ready: Callable[[], bool],
+        timeout_s: float,
+        also_alive: Sequence[ManagedProcess] = (),
+    ) -> None:
+        """Polls ``ready`` until it holds; fails fast if the child (or one of ``also_alive``, the
+        processes its start-up depends on) exits, naming it with its log."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if not proc.alive():
-                raise LaunchError(
-                    f"{proc.name} (pid {proc.pid}) exited with code {proc.popen.returncode} during start-up; "
-                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
-                )
+            for p in (proc, *also_alive):
+                if not p.alive():
+                    raise LaunchError(
+                        f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up; "
+                        f"last lines of {p.log_path}:\n{p.log_tail()}"
+                    )
             if ready():
                 return
             if time.monotonic() > deadline:
@@ -219,8 +239,10 @@ class ProcessLauncher:
         env: dict[str, str] | None = None,
         timeout_s: float = 120.0,
         argv_prefix: Sequence[str] | None = None,
+        also_alive: Sequence[ManagedProcess] = (),
     ) -> ServiceInstance:
-        """Runs ``rlmesh serve <service>`` and waits for its ready file and gRPC health SERVING."""
+        """Runs ``rlmesh serve <service>`` and waits for its ready file and gRPC health SERVING
+        (failing fast if it or one of ``also_alive`` exits first)."""
         name = name or service
         ready_file = self.workdir / f"{name}.ready.json"
         ready_file.unlink(missing_ok=True)
@@ -237,7 +259,7 @@ class ProcessLauncher:
             proc.info = json.loads(ready_file.read_text())
             return grpc_health(str(proc.info["grpc_address"]), timeout_s=1.0) == "SERVING"
 
-        self.wait_ready(proc, ready, timeout_s)
+        self.wait_ready(proc, ready, timeout_s, also_alive)
         metrics_port = proc.info.get("metrics_port")
         return ServiceInstance(
             process=proc,
@@ -245,6 +267,54 @@ class ProcessLauncher:
             grpc_address=str(proc.info["grpc_address"]),
             metrics_port=int(metrics_port) if metrics_port is not None else None,
         )
+
+    def start_learner(
+        self,
+        world_size: int,
+        *,
+        name: str = "learner",
+        config_path: str | os.PathLike[str] | None = None,
+        overrides: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        timeout_s: float = 300.0,
+    ) -> LearnerRanks:
+        """Runs ``rlmesh serve learner`` as ``world_size`` data-parallel ranks on this machine, with
+        the environment ``torchrun`` would give them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+        ``MASTER_ADDR``, ``MASTER_PORT``), and waits until rank 0 serves.
+
+        Rank 0 only serves once every rank has joined the process group, so the followers start
+        first; one that exits during start-up fails this at once (rank 0 would wait for it).
+        ``stop_all`` stops them after rank 0 (reverse start order): rank 0 finishes its step and
+        its final checkpoint with them, then tells them to stop.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        rendezvous = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world_size),
+        }
+        argv = [sys.executable, "-m", "rlmesh.cli", "serve", "learner"]
+        if config_path:
+            argv += ["--config", str(config_path)]
+        followers = [
+            self.spawn(
+                f"{name}-rank{r}",
+                [*argv, *overrides],
+                {**(env or {}), **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(1, world_size)
+        ]
+        rank0 = self.start_service(
+            "learner",
+            name=name,
+            config_path=config_path,
+            overrides=overrides,
+            env={**(env or {}), **rendezvous, "RANK": "0", "LOCAL_RANK": "0"},
+            timeout_s=timeout_s,
+            also_alive=followers,
+        )
+        return LearnerRanks(rank0=rank0, followers=followers)
 
     def start_engine(
         self,

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,30 +91,84 @@ def total_training_steps(cfg: RLMeshConfig, dataset_len: int) -> int:
     return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
 
 
+# How long a follower waits for rank 0's next command. It idles for as long as rank 0 waits for
+# rollout replicas or batches or holds a pause, which can be hours: the default group's timeout
+# (30 minutes) would crash it in the middle of a healthy run. The death of rank 0 is seen at once
+# (its sockets close); this bound only ends the wait for a rank 0 whose host vanished silently.
+COMMAND_TIMEOUT = timedelta(days=7)
+
+
+class RankZeroLost(RuntimeError):
+    """A follower's wait for rank 0's next command failed: rank 0 is gone."""
+
+
 class Followers:
-    """Rank 0 tells the other ranks which collective to run next (broadcast on the default group)."""
+    """Rank 0 tells the other ranks which collective to run next, then runs its own part.
 
-    def __init__(self) -> None:
+    Commands go over a gloo group of their own, so that waiting for one is bounded by
+    ``COMMAND_TIMEOUT``, not by the training group's timeout, and pickles never touch a GPU.
+    Constructing it is collective: every rank builds one, at the same point.
+
+    Rank 0 ends the run with :meth:`finish`, which sends ``("stop", failure)``, but only while the
+    followers are known to be waiting for a command: after rank 0's part of a collective failed,
+    a follower may still be inside it, and a broadcast it does not expect would hang both. Such a
+    follower instead sees rank 0's process exit (its sockets close) and exits too.
+    """
+
+    def __init__(self, timeout: timedelta = COMMAND_TIMEOUT) -> None:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.world > 1 else None
+        # Rank 0: a command was announced and rank 0's own part of it has not completed.
+        self.in_collective = False
+        self.finished = False
 
-    def send(self, command: tuple[Any, ...]) -> None:
+    def announce(self, command: tuple[Any, ...]) -> None:
+        """Rank 0: send ``command``; call :meth:`done` once rank 0's own part of it completed."""
         if self.world > 1:
-            dist.broadcast_object_list([command], src=0)
+            self.in_collective = True
+            dist.broadcast_object_list([command], src=0, group=self.group)
 
-    @staticmethod
-    def receive() -> tuple[Any, ...]:
+    def done(self) -> None:
+        self.in_collective = False
+
+    def finish(self, failure: str = "") -> None:
+        """Rank 0: tell the followers the run is over (``failure``: why it failed, if it did).
+        Idempotent; never raises (a follower that already died cannot be told)."""
+        if self.world == 1 or self.finished:
+            return
+        self.finished = True
+        if self.in_collective:
+            log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
+            return
+        try:
+            dist.broadcast_object_list([("stop", failure)], src=0, group=self.group)
+        except RuntimeError as e:
+            log.error("could not tell the other ranks to stop: %s", e)
+
+    def receive(self) -> tuple[Any, ...]:
+        """Ranks > 0: the next command; raises ``RankZeroLost`` when rank 0 is gone."""
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as e:
+            raise RankZeroLost(f"waiting for rank 0's next command failed: {e}") from e
         return box[0]
 
 
-def follow(trainer: Any) -> None:
-    """Ranks > 0: run the collectives rank 0 announces, until it says stop."""
+def follow(trainer: Any, followers: Followers) -> str:
+    """Ranks > 0: run the collectives rank 0 announces, until it says stop.
+
+    Returns:
+        rank 0's failure, or "" when its run ended normally.
+
+    Raises:
+        RankZeroLost: rank 0 died (or its host vanished) without saying stop.
+    """
     while True:
-        command = Followers.receive()
+        command = followers.receive()
         kind = command[0]
         if kind == "stop":
-            return
+            return str(command[1]) if len(command) > 1 else ""
         if kind == "train":
             if command[3]:
                 trainer.update_hyperparams(**command[3])
@@ -127,6 +182,12 @@ def follow(trainer: Any) -> None:
             trainer.load_checkpoint(command[1])
         elif kind == "export":
             trainer.export_hf(command[1], None)
+        else:
+            raise ValueError(f"unknown command from rank 0: {kind!r}")
+
+
+class _StoppedWhileWaiting(Exception):
+    """A stop was requested while the loop waited for a batch that did not come: a clean stop."""
 
 
 class TrainingLoop:
@@ -259,30 +320,33 @@ class TrainingLoop:
     def _collective(self, kind: str, *args: Any) -> Any:
         if kind == "train":
             batch, hparams = args
-            self.followers.send(("train", batch, self.kl_ctrl, hparams))
+            self.followers.announce(("train", batch, self.kl_ctrl, hparams))
             if hparams:
                 self.trainer.update_hyperparams(**hparams)
-            return self.trainer.train_step(batch, self.kl_ctrl)
-        if kind == "save":
+            result = self.trainer.train_step(batch, self.kl_ctrl)
+        elif kind == "save":
             path, extra = args
-            self.followers.send(("save", path, extra))
-            return self.trainer.save_checkpoint(path, extra)
-        if kind == "export":
+            self.followers.announce(("save", path, extra))
+            result = self.trainer.save_checkpoint(path, extra)
+        elif kind == "export":
             (path,) = args
-            self.followers.send(("export", path))
-            return self.trainer.export_hf(path, None)
-        if kind == "load":
+            self.followers.announce(("export", path))
+            result = self.trainer.export_hf(path, None)
+        elif kind == "load":
             (path,) = args
-            self.followers.send(("load", path))
-            self._loaded_extra = self.trainer.load_checkpoint(path)
-            return self._loaded_extra
-        raise ValueError(kind)
+            self.followers.announce(("load", path))
+            result = self._loaded_extra = self.trainer.load_checkpoint(path)
+        else:
+            raise ValueError(kind)
+        self.followers.done()  # not reached when rank 0's part raised: see Followers.finish
+        return result
 
     def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         bucket_bytes = self.cfg.rlmesh.weight_sync.bucket_size_mb << 20
-        self.followers.send(("push", bucket_bytes))
+        self.followers.announce(("push", bucket_bytes))
         for bucket in self.trainer.named_weights_for_push(bucket_bytes):
             yield from bucket
+        self.followers.done()  # an abandoned push leaves the followers' state unknown
 
     # ----- weight sync -----
     async def _live_engines(self) -> list[trajectory_pb2.ReplicaRegistration]:
@@ -369,31 +433,46 @@ class TrainingLoop:
                     await self.push_weights(only_behind=True)
                     last_sync = time.monotonic()
                 if self.state.stop_requested:
-                    raise
+                    raise _StoppedWhileWaiting from None
                 await self.recovery.check(self.state.version)
 
     async def run(self) -> None:
         cfg = self.cfg
-        await self._connect()
-        self._resume()
-        self.state.phase = "PUSHING_WEIGHTS"
-        self.progress(f"run {self.keys.run_id}: {self.state.total_steps} steps, waiting for rollout replicas")
-        await self._wait_for_replicas()
-        await self.push_weights()
-        if cfg.trainer.val_before_train and self.val_set is not None and self.state.step == 0:
-            await self._validate(0)
+        failure = ""
         try:
-            while self.state.step < self.state.total_steps and not self.state.stop_requested:
-                await self._hold_while_paused()
-                await self._step()
-        finally:
+            await self._connect()
+            self._resume()
+            self.state.phase = "PUSHING_WEIGHTS"
+            self.progress(
+                f"run {self.keys.run_id}: {self.state.total_steps} steps, waiting for rollout replicas"
+            )
+            await self._wait_for_replicas()
+            if not self.state.stop_requested:
+                await self.push_weights()
+                if cfg.trainer.val_before_train and self.val_set is not None and self.state.step == 0:
+                    await self._validate(0)
+            try:
+                while self.state.step < self.state.total_steps and not self.state.stop_requested:
+                    await self._hold_while_paused()
+                    await self._step()
+            except _StoppedWhileWaiting:
+                self.progress(f"stopped while waiting for the batch of step {self.state.step + 1}")
+            # Not after a failure: the trainer may be half-way through a step (and under several
+            # ranks the others may still be inside a collective); the last checkpoint stands.
             if self.state.stop_requested and self.state.stop_checkpoint and self.state.step > 0:
                 await self._checkpoint(self.state.step, final=True)
-            self.followers.send(("stop",))
+        except BaseException as e:
+            failure = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            # Every exit, failures included: the other ranks wait for rank 0's next command.
+            self.followers.finish(failure)
             self.state.phase = "FINISHED" if not self.state.stop_requested else "STOPPING"
             self.sinks.close()
-            await self.reward.close()
-            await self.pusher.close()
+            if hasattr(self, "reward"):  # absent when _connect failed part-way
+                await self.reward.close()
+            if hasattr(self, "pusher"):
+                await self.pusher.close()
             if self._redis is not None:
                 await self._redis.aclose()
 
