@@ -328,15 +328,20 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ weights out
 
-    def named_weights_for_push(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def named_weights_for_push(
+        self, bucket_bytes: int, copy: bool = True
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named actor weights (LoRA merged) in buckets of about ``bucket_bytes``.
 
         Collective under ZeRO-3 (every rank iterates to the end); rank 0 gets the tensors, the
-        other ranks as many empty lists.
+        other ranks as many empty lists. ``copy=False``: each bucket valid only until the next is
+        asked for (see ``iter_weight_buckets``).
         """
         engine = self.actor.engine
         zero3 = engine.zero_optimization_stage() == 3
-        return iter_weight_buckets(engine.module, bucket_bytes, zero3=zero3, materialize=self.rank == 0)
+        return iter_weight_buckets(
+            engine.module, bucket_bytes, zero3=zero3, materialize=self.rank == 0, copy=copy
+        )
 
     def greedy_generate(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """The actor's greedy continuation of each prompt, ending with the first eos when one is

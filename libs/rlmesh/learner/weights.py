@@ -106,7 +106,7 @@ def _buckets(units: list[PushUnit], bucket_bytes: int) -> Iterator[list[PushUnit
 
 
 def iter_weight_buckets(
-    module: torch.nn.Module, bucket_bytes: int, *, zero3: bool, materialize: bool
+    module: torch.nn.Module, bucket_bytes: int, *, zero3: bool, materialize: bool, copy: bool = True
 ) -> Iterator[NamedTensors]:
     """Buckets of ``(hf_name, tensor)`` of about ``bucket_bytes`` each (a tensor is never split).
 
@@ -115,6 +115,11 @@ def iter_weight_buckets(
         bucket_bytes: target bucket size.
         zero3: gather each bucket's parameters first (collective: call on every rank).
         materialize: build the tensors (rank 0); other ranks get empty lists, bucket for bucket.
+        copy: copies that stay valid for good. Without it a bucket's tensors are the parameters'
+            own storage (a merged LoRA weight excepted), valid only until the next bucket is asked
+            for (ZeRO-3 frees the gathered storage then) and until the next optimizer step: for a
+            consumer that is done with each bucket before it asks for the next, as
+            ``WeightPusher.push_buckets`` is, which copies or sends it at once anyway.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -129,6 +134,8 @@ def iter_weight_buckets(
         with gather, torch.no_grad():
             if materialize:
                 # A copy: gathered storage is freed on exit, and later optimizer steps must not
-                # change tensors a push is still sending.
-                out = [(unit.name, unit.compute().detach().clone()) for unit in bucket]
+                # change tensors a consumer still holds.
+                out = [(unit.name, unit.compute().detach()) for unit in bucket]
+                if copy:
+                    out = [(name, t.clone()) for name, t in out]
         yield out

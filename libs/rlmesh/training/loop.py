@@ -341,11 +341,12 @@ class TrainingLoop:
         self.followers.done()  # not reached when rank 0's part raised: see Followers.finish
         return result
 
-    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _weight_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket_bytes = self.cfg.rlmesh.weight_sync.bucket_size_mb << 20
         self.followers.announce(("push", bucket_bytes))
-        for bucket in self.trainer.named_weights_for_push(bucket_bytes):
-            yield from bucket
+        # No copy: the pusher is done with each bucket (copied into its flat buffer, or sent)
+        # before it asks for the next, and no optimizer step runs during a push.
+        yield from self.trainer.named_weights_for_push(bucket_bytes, copy=False)
         self.followers.done()  # an abandoned push leaves the followers' state unknown
 
     # ----- weight sync -----
@@ -388,7 +389,7 @@ class TrainingLoop:
                     log.error("replica %s failed to load %s: %s", c.name, path, r)
             await publish_policy(self._redis, self.keys, version, path)
         else:
-            report = await self.pusher.push(self._weights(), version, only=only)
+            report = await self.pusher.push_buckets(self._weight_buckets(), version, only=only)
             for name, why in report.failed.items():
                 log.error("replica %s dropped from this push: %s", name, why)
             await publish_policy(self._redis, self.keys, version)

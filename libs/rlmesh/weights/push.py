@@ -217,19 +217,35 @@ class WeightPusher:
         on_bucket: Callable[[int, int], None] | None = None,
         only: set[str] | None = None,
     ) -> PushReport:
-        """Pushes every tensor to every healthy engine (or those whose URL is in ``only``). Engines
-        that fail are marked unhealthy and listed in the report; raises ``WeightPushError`` only if
-        no engine got the weights (an engine whose group could not be built counts as failed)."""
+        """Pushes every tensor to every healthy engine (or those whose URL is in ``only``), in
+        buckets of about ``bucket_bytes``. Engines that fail are marked unhealthy and listed in the
+        report; raises ``WeightPushError`` only if no engine got the weights (an engine whose group
+        could not be built counts as failed)."""
+        return await self.push_buckets(buckets(named, self.bucket_bytes), version, on_bucket, only)
+
+    async def push_buckets(
+        self,
+        bucketed: Iterable[Sequence[tuple[str, torch.Tensor]]],
+        version: str | int,
+        on_bucket: Callable[[int, int], None] | None = None,
+        only: set[str] | None = None,
+    ) -> PushReport:
+        """``push`` of buckets the caller made: each is one update call (and one broadcast with
+        flattened_bucket). A bucket is done with — copied or sent — before the next is asked for,
+        so its tensors need to stay valid only until then (the learner's ZeRO-3 gathers are freed
+        bucket by bucket)."""
         failed = await self.connect_or_mark(only)
         start = time.perf_counter()
         targets = [link for link in self.healthy_links if only is None or link.client.url in only]
         total = 0
         await self._bracket(targets, True, failed)
-        for bucket in buckets(named, self.bucket_bytes):
+        for bucket in bucketed:
+            if not bucket:
+                continue
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             live = [link for link in targets if link.name not in failed]
-            if live:  # with none left, ``named`` is still consumed: under ZeRO-3 every rank iterates
-                await self._push_bucket(live, bucket, str(version), failed)
+            if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
+                await self._push_bucket(live, list(bucket), str(version), failed)
             if on_bucket is not None:
                 on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
         await self._bracket(targets, False, failed)
