@@ -12,19 +12,17 @@ from rlmesh.algo import agg_loss, compute_policy_loss, kl_penalty
 from rlmesh.config import ActorConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, actor_forward, rows_of, slice_micro_batch
+from rlmesh.learner.forward import MicroBatch, actor_forward, rows_of
 from rlmesh.learner.parallel import (
     MetricSums,
-    epoch_order,
     forward_without_grad,
     global_loss_scale,
-    log_skipped_step,
     micro_batch_plan,
     mini_batch_counts,
-    optimizer_step,
     step_scheduler,
+    train_micro_batches,
+    update_epochs,
 )
-from rlmesh.learner.partition import mini_batches
 
 __all__ = ["DeepSpeedPPOActor"]
 
@@ -111,9 +109,6 @@ class DeepSpeedPPOActor:
         mode = cfg.loss_agg_mode
         dp = world_size()
         n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        plan = micro_batch_plan(
-            batch, rows, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
-        )
         calculate_entropy = self.entropy_coeff != 0
         # Every rank reduces the same keys, even one that only ran dummy micro-batches.
         keys = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "_tokens"]
@@ -124,18 +119,13 @@ class DeepSpeedPPOActor:
         for key in keys:
             sums.add(key, 0.0)
         nonfinite = False
-        self.engine.train()
-        for i, micro_rows in enumerate(plan):
-            self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-            dummy = not micro_rows
-            micro_rows = micro_rows or rows[:1]
-            mb = slice_micro_batch(batch, micro_rows, self.device)
-            w = mb.response_width
-            log_prob, entropy = actor_forward(self.engine, mb, self.temperature, calculate_entropy)
-            if dummy:  # keeps ZeRO's collectives in step with the other ranks; contributes nothing
-                self.engine.backward(log_prob.sum() * 0.0, scale_wrt_gas=False)
-                continue
-            mask = rows_of(batch.response_mask, micro_rows, w, self.device)
+
+        def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return actor_forward(self.engine, mb, self.temperature, calculate_entropy)
+
+        for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
+            micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
+            log_prob, entropy = micro.outputs
             # verl: with one mini-batch and one epoch the data is exactly on-policy; the ratio is
             # then taken against the detached current log-prob (equal in value).
             old = log_prob.detach() if on_policy else rows_of(old_log_probs, micro_rows, w, self.device)
@@ -199,36 +189,35 @@ class DeepSpeedPPOActor:
         on_policy = math.ceil(len(batch) / mini_size) == 1 and cfg.ppo_epochs == 1
         lr = self.scheduler.get_last_lr()[0]
         sums = MetricSums()
-        grad_norms: list[float] = []
-        steps = skipped = 0
-        for epoch in range(cfg.ppo_epochs):
-            for rows in mini_batches(epoch_order(len(batch), self.seed, step, epoch, cfg.shuffle), mini_size):
-                nonfinite = self.mini_batch_backward(
-                    batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums
-                )
-                grad_norm, applied = optimizer_step(self.engine)
-                steps += 1
-                if applied:
-                    grad_norms.append(grad_norm)
-                else:
-                    skipped += 1
-                    self.skipped_steps += 1
-                    log_skipped_step("actor", nonfinite, grad_norm, step, self.skipped_steps)
+        stats = update_epochs(
+            self.engine,
+            "actor",
+            cfg,
+            len(batch),
+            mini_size,
+            self.seed,
+            step,
+            self.skipped_steps,
+            lambda rows: self.mini_batch_backward(
+                batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums
+            ),
+        )
+        self.skipped_steps += stats.skipped
         step_scheduler(self.scheduler)  # once per PPO step, as verl's update_actor
         totals = sums.reduced()
         tokens = max(totals.pop("_tokens", 0.0), 1.0)
         metrics = {
-            "actor/pg_loss": totals.get("actor/pg_loss", 0.0) / steps,
-            "actor/kl_loss": totals.get("actor/kl_loss", 0.0) / steps,
+            "actor/pg_loss": totals.get("actor/pg_loss", 0.0) / stats.steps,
+            "actor/kl_loss": totals.get("actor/kl_loss", 0.0) / stats.steps,
             "actor/pg_clipfrac": totals.get("actor/pg_clipfrac", 0.0) / tokens,
             "actor/ppo_kl": totals.get("actor/ppo_kl", 0.0) / tokens,
             "actor/pg_clipfrac_lower": totals.get("actor/pg_clipfrac_lower", 0.0) / tokens,
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "actor/grad_norm": stats.grad_norm,
             "actor/lr": lr,
-            "actor/skipped_steps": float(skipped),
+            "actor/skipped_steps": float(stats.skipped),
         }
         if "actor/entropy_loss" in totals:
-            metrics["actor/entropy_loss"] = totals["actor/entropy_loss"] / steps
+            metrics["actor/entropy_loss"] = totals["actor/entropy_loss"] / stats.steps
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = self.kl_loss_coef
         return metrics

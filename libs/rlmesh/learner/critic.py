@@ -11,19 +11,17 @@ from rlmesh.algo import compute_value_loss, masked_mean
 from rlmesh.config import CriticConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of, slice_micro_batch
+from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of
 from rlmesh.learner.parallel import (
     MetricSums,
-    epoch_order,
     forward_without_grad,
     global_loss_scale,
-    log_skipped_step,
     micro_batch_plan,
     mini_batch_counts,
-    optimizer_step,
     step_scheduler,
+    train_micro_batches,
+    update_epochs,
 )
-from rlmesh.learner.partition import mini_batches
 
 __all__ = ["DeepSpeedPPOCritic"]
 
@@ -80,24 +78,16 @@ class DeepSpeedPPOCritic:
         mode = cfg.loss_agg_mode
         dp = world_size()
         n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        plan = micro_batch_plan(
-            batch, rows, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
-        )
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_tokens"):
             sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
         nonfinite = False
-        self.engine.train()
-        for i, micro_rows in enumerate(plan):
-            self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-            dummy = not micro_rows
-            micro_rows = micro_rows or rows[:1]
-            mb = slice_micro_batch(batch, micro_rows, self.device)
-            w = mb.response_width
-            vpreds = critic_forward(self.engine, mb)
-            if dummy:  # keeps ZeRO's collectives in step with the other ranks; contributes nothing
-                self.engine.backward(vpreds.sum() * 0.0, scale_wrt_gas=False)
-                continue
-            mask = rows_of(batch.response_mask, micro_rows, w, self.device)
+
+        def forward(mb: MicroBatch) -> tuple[torch.Tensor]:
+            return (critic_forward(self.engine, mb),)
+
+        for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
+            micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
+            (vpreds,) = micro.outputs
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds,
                 rows_of(returns, micro_rows, w, self.device),
@@ -127,29 +117,26 @@ class DeepSpeedPPOCritic:
         mini_size = int(cfg.ppo_mini_batch_size) * self.rollout_n
         lr = self.scheduler.get_last_lr()[0]
         sums = MetricSums()
-        grad_norms: list[float] = []
-        steps = skipped = 0
-        for epoch in range(int(cfg.ppo_epochs)):
-            for rows in mini_batches(
-                epoch_order(len(batch), self.seed, step, epoch, bool(cfg.shuffle)), mini_size
-            ):
-                nonfinite = self.mini_batch_backward(batch, rows, values, returns, sums)
-                grad_norm, applied = optimizer_step(self.engine)
-                steps += 1
-                if applied:
-                    grad_norms.append(grad_norm)
-                else:
-                    skipped += 1
-                    self.skipped_steps += 1
-                    log_skipped_step("critic", nonfinite, grad_norm, step, self.skipped_steps)
+        stats = update_epochs(
+            self.engine,
+            "critic",
+            cfg,
+            len(batch),
+            mini_size,
+            self.seed,
+            step,
+            self.skipped_steps,
+            lambda rows: self.mini_batch_backward(batch, rows, values, returns, sums),
+        )
+        self.skipped_steps += stats.skipped
         step_scheduler(self.scheduler)
         totals = sums.reduced()
         tokens = max(totals.pop("_tokens", 0.0), 1.0)
         return {
-            "critic/vf_loss": totals.get("critic/vf_loss", 0.0) / steps,
+            "critic/vf_loss": totals.get("critic/vf_loss", 0.0) / stats.steps,
             "critic/vf_clipfrac": totals.get("critic/vf_clipfrac", 0.0) / tokens,
             "critic/vpred_mean": totals.get("critic/vpred_mean", 0.0) / tokens,
-            "critic/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "critic/grad_norm": stats.grad_norm,
             "critic/lr": lr,
-            "critic/skipped_steps": float(skipped),
+            "critic/skipped_steps": float(stats.skipped),
         }

@@ -8,18 +8,21 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import all_reduce_sum, rank, world_size
-from rlmesh.learner.forward import MicroBatch, pad_to_width, slice_micro_batch
-from rlmesh.learner.partition import plan_micro_batches
+from rlmesh.learner.forward import MicroBatch, pad_to_width, rows_of, slice_micro_batch
+from rlmesh.learner.partition import mini_batches, plan_micro_batches
 
 __all__ = [
     "MetricSums",
+    "TrainMicroBatch",
+    "UpdateStats",
     "epoch_order",
     "forward_without_grad",
     "global_loss_scale",
@@ -28,6 +31,8 @@ __all__ = [
     "mini_batch_counts",
     "optimizer_step",
     "step_scheduler",
+    "train_micro_batches",
+    "update_epochs",
 ]
 
 log = logging.getLogger("rlmesh.learner")
@@ -170,3 +175,91 @@ def step_scheduler(scheduler: Any) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         scheduler.step()
+
+
+@dataclass
+class TrainMicroBatch:
+    """One real micro-batch of a mini-batch under training: its rows, the trimmed inputs, the
+    forward's outputs and the ``(n, w)`` response mask."""
+
+    rows: list[int]
+    mb: MicroBatch
+    outputs: tuple[Any, ...]
+    mask: torch.Tensor
+
+
+def train_micro_batches(
+    engine: Any,
+    batch: PPOBatch,
+    rows: list[int],
+    config: Any,
+    device: torch.device,
+    forward: Callable[[MicroBatch], tuple[Any, ...]],
+) -> Iterator[TrainMicroBatch]:
+    """This rank's micro-batches of the global mini-batch ``rows`` in train mode, by the role's
+    ``ppo_micro_batch_size_per_gpu`` / ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``: sets
+    the gradient-accumulation boundary on the last one and runs ``forward`` (whose first output is
+    a tensor of the graph). A rank left without rows runs a dummy micro-batch with a zero backward
+    — ZeRO's collectives stay in step with the other ranks, the gradients are untouched — and it
+    is not yielded; the caller computes and backpropagates the loss of each yielded one."""
+    plan = micro_batch_plan(
+        batch,
+        rows,
+        config.ppo_micro_batch_size_per_gpu,
+        config.use_dynamic_bsz,
+        config.ppo_max_token_len_per_gpu,
+    )
+    engine.train()
+    for i, micro_rows in enumerate(plan):
+        engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+        mb = slice_micro_batch(batch, micro_rows or rows[:1], device)
+        outputs = forward(mb)
+        if not micro_rows:
+            engine.backward(outputs[0].sum() * 0.0, scale_wrt_gas=False)
+            continue
+        yield TrainMicroBatch(
+            micro_rows, mb, outputs, rows_of(batch.response_mask, micro_rows, mb.response_width, device)
+        )
+
+
+@dataclass
+class UpdateStats:
+    """The optimizer steps of one update: how many ran, how many were skipped, the applied norms."""
+
+    steps: int = 0
+    skipped: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+
+    @property
+    def grad_norm(self) -> float:
+        """Mean gradient norm (before clipping) over the applied steps; NaN when none was."""
+        return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
+
+
+def update_epochs(
+    engine: Any,
+    role: str,
+    config: Any,
+    batch_size: int,
+    mini_size: int,
+    seed: int,
+    step: int,
+    skipped_before: int,
+    mini_batch_backward: Callable[[list[int]], bool],
+) -> UpdateStats:
+    """verl's update loop: ``ppo_epochs`` passes over the batch in mini-batches of ``mini_size``
+    (shuffled per epoch when ``shuffle``), one optimizer step after each mini-batch's backward
+    (``mini_batch_backward(rows)``, True when a loss was not finite). A skipped step is logged
+    with the role's running count (``skipped_before`` plus this update's)."""
+    stats = UpdateStats()
+    for epoch in range(int(config.ppo_epochs)):
+        for rows in mini_batches(epoch_order(batch_size, seed, step, epoch, bool(config.shuffle)), mini_size):
+            nonfinite = mini_batch_backward(rows)
+            grad_norm, applied = optimizer_step(engine)
+            stats.steps += 1
+            if applied:
+                stats.grad_norms.append(grad_norm)
+            else:
+                stats.skipped += 1
+                log_skipped_step(role, nonfinite, grad_norm, step, skipped_before + stats.skipped)
+    return stats
