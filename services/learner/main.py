@@ -2,9 +2,11 @@
 
 Rank 0 serves ``rlmesh.v1.Learner`` and runs the training loop (``rlmesh.training.loop``): it
 feeds prompt tasks, collects trajectory batches, trains, pushes weights to every live rollout
-replica, checkpoints and validates. Other ranks (``deepspeed --num_gpus N`` or ``torchrun``)
-run the same trainer collectives as rank 0 announces them; they outlive a SIGTERM until rank 0,
-which finishes its step and final checkpoint with them, says stop, and exit 1 if rank 0 dies.
+replica, checkpoints and validates. Other ranks run the same trainer collectives as rank 0
+announces them. The ranks come from a launcher (``torchrun``, ``deepspeed``: its environment
+names them), or else from ``rlmesh.learner.ranks``: the process started becomes rank 0 and
+starts the others as its children. Followers outlive a SIGTERM until rank 0, which finishes its
+step and final checkpoint with them, says stop; they exit 1 if rank 0 dies.
 When the run is done the process exits 0; a failed run exits 1 with the error logged.
 """
 
@@ -14,7 +16,9 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,12 +120,60 @@ def follower_main(argv: Sequence[str] | None) -> int:
     return 0
 
 
+# Set once rank 0's service has returned: a follower exiting after that is no news.
+_RANK0_DONE = threading.Event()
+
+
+def start_local_ranks(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
+    """Without a launcher's environment and with ``rlmesh.learner.ranks`` > 1: this process becomes
+    rank 0 and starts the other ranks as its children. A child that fails stops this process
+    (SIGTERM: rank 0 would otherwise wait for it in a collective or at the rendezvous)."""
+    from rlmesh.runtime.launcher import spawn_local_ranks
+
+    args = service_arg_parser("learner").parse_args(argv)
+    try:
+        ranks = load_config(args.config, args.overrides).rlmesh.learner.ranks
+    except ConfigError:
+        return []  # service_main reports it
+    if ranks == 1:
+        return []
+    children = spawn_local_ranks([sys.executable, "-m", "rlmesh.cli", "serve", "learner", *argv], ranks)
+
+    def watch(rank: int, child: subprocess.Popen[bytes]) -> None:
+        code = child.wait()
+        if code != 0 and not _RANK0_DONE.is_set():
+            log.error("learner rank %d exited with code %d: stopping rank 0", rank, code)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    for rank, child in enumerate(children, start=1):
+        threading.Thread(target=watch, args=(rank, child), name=f"rank{rank}-watch", daemon=True).start()
+    return children
+
+
+def join_local_ranks(children: Sequence[subprocess.Popen[bytes]], code: int, grace_s: float = 60.0) -> int:
+    """Rank 0 is done: its run told the others to stop; wait for them (kill what outlives
+    ``grace_s``). Exit code: rank 0's, or 1 when a rank failed."""
+    for rank, child in enumerate(children, start=1):
+        try:
+            child_code = child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.error("learner rank %d did not stop within %.0f s: killing it", rank, grace_s)
+            child.kill()
+            child_code = child.wait()
+        if child_code != 0:
+            code = code or 1
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # deepspeed's launcher passes --local_rank=N; the rank comes from the environment anyway.
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
     if int(os.environ.get("RANK", "0")) > 0:
         return follower_main(argv)
-    return service_main("learner", build, argv, description=__doc__.splitlines()[0])
+    children = start_local_ranks(argv) if "RANK" not in os.environ else []
+    code = service_main("learner", build, argv, description=__doc__.splitlines()[0])
+    _RANK0_DONE.set()
+    return join_local_ranks(children, code)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The learner service as 2 data-parallel ranks — two OS processes with the environment torchrun
-gives them, gloo on CPU — under DeepSpeed ZeRO-2 (actor and critic), with Redis, reward, reference
+"""The learner service as 2 data-parallel ranks — two OS processes, started with the environment
+torchrun gives them or by rank 0 itself (``rlmesh.learner.ranks``), gloo on CPU — under DeepSpeed ZeRO-2 (actor and critic), with Redis, reward, reference
 and a rollout replica each a real process.
 
 Rank 0 serves gRPC and drives the run; rank 1 runs the collectives rank 0 announces. What could go
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import pytest
 import redis
 import torch
@@ -56,8 +57,8 @@ def prepared(tmp_path_factory):
     return prepare_model_and_data(tmp_path_factory.mktemp("prep"))
 
 
-def learner_status(group: LearnerRanks) -> learner_pb2.LearnerStatus:
-    with grpc.insecure_channel(group.rank0.grpc_address) as channel:
+def learner_status(address: str) -> learner_pb2.LearnerStatus:
+    with grpc.insecure_channel(address) as channel:
         return learner_pb2_grpc.LearnerStub(channel).GetStatus(common_pb2.Empty(), timeout=10)
 
 
@@ -123,7 +124,9 @@ def test_two_ranks_train_stop_together_on_sigterm_and_resume(tmp_path, prepared)
         first = launcher.start_learner(
             RANKS, config_path=CONFIG, overrides=[*peers.learner_overrides, "trainer.total_training_steps=50"]
         )
-        wait_until(lambda: learner_status(first).step >= 2, 240, "two steps of the 2-rank learner")
+        wait_until(
+            lambda: learner_status(first.rank0.grpc_address).step >= 2, 240, "two steps of the 2-rank learner"
+        )
         set_replica_paused(peers.rollout.grpc_address, True)
         wait_until(
             lambda: unclaimed_prompts(peers.redis_url, peers.run_id) > 0,
@@ -174,7 +177,7 @@ def test_two_ranks_train_stop_together_on_sigterm_and_resume(tmp_path, prepared)
         assert max_change(resumed, pushed) > 1e-6, "the resumed step did not move the actor"
 
 
-def test_rank_0_stops_rank_1_and_rank_1_exits_when_rank_0_dies(tmp_path, prepared):
+def test_rank_0_started_alone_runs_its_ranks_stops_them_and_rank_1_exits_when_rank_0_dies(tmp_path, prepared):
     # Rank 0 with Redis alone waits for a rollout replica that never comes; rank 1 waits for its
     # first command.
     with ProcessLauncher(tmp_path / "procs", stop_grace_s=30) as launcher:
@@ -185,22 +188,32 @@ def test_rank_0_stops_rank_1_and_rank_1_exits_when_rank_0_dies(tmp_path, prepare
             "rlmesh.learner.metrics_port=0",
         ]
 
-        def started(name: str) -> LearnerRanks:
-            group = launcher.start_learner(RANKS, name=name, config_path=CONFIG, overrides=overrides)
+        def waiting_for_replicas(address: str, name: str) -> None:
             wait_until(
-                lambda: learner_status(group).message == "no rollout replica registered yet",
+                lambda: learner_status(address).message == "no rollout replica registered yet",
                 60,
                 f"{name} to wait for replicas",
             )
-            return group
 
-        # SIGTERM to rank 0 alone: it tells rank 1 to stop.
-        group = started("learner")
-        group.rank0.process.popen.send_signal(signal.SIGTERM)
-        assert wait_exit(group, 60) == [0, 0], group.followers[0].log_tail(30)
+        # Without a launcher, rlmesh.learner.ranks=2: the process started is rank 0 and starts
+        # rank 1 as its child. SIGTERM to rank 0 alone: it tells rank 1 to stop and waits for it.
+        rank0 = launcher.start_service(
+            "learner", config_path=CONFIG, overrides=[*overrides, f"rlmesh.learner.ranks={RANKS}"]
+        )
+        waiting_for_replicas(rank0.grpc_address, "learner")
+        (follower,) = psutil.Process(rank0.process.pid).children()
+        assert follower.environ()["RANK"] == "1" and follower.environ()["WORLD_SIZE"] == str(RANKS)
+        rank0.process.popen.send_signal(signal.SIGTERM)
+        assert rank0.process.popen.wait(timeout=60) == 0, rank0.process.log_tail(30)
+        assert not psutil.pid_exists(follower.pid) or follower.status() == psutil.STATUS_ZOMBIE
+        log_text = rank0.process.log_path.read_text()  # rank 1 writes where rank 0 does
+        assert "learner rank 1 of 2 in the process group" in log_text
+        assert "rank 0 ended the run" in log_text
 
-        # SIGKILL: rank 0 can say nothing; rank 1 must notice by itself, and exit 1.
-        group = started("learner2")
+        # Under a launcher's environment (torchrun's), SIGKILL to rank 0: it can say nothing; rank 1
+        # must notice by itself, and exit 1.
+        group = launcher.start_learner(RANKS, name="learner2", config_path=CONFIG, overrides=overrides)
+        waiting_for_replicas(group.rank0.grpc_address, "learner2")
         group.rank0.process.popen.send_signal(signal.SIGKILL)
         follower = group.followers[0]
         wait_until(lambda: not pid_alive(follower.pid), 60, "rank 1 to exit after rank 0 died")

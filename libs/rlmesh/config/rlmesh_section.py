@@ -80,6 +80,17 @@ class ReferenceServiceConfig(ServiceConfig):
     )
 
 
+class LearnerServiceConfig(ServiceConfig):
+    """The learner service: where rank 0 listens, and how many data-parallel ranks it starts."""
+
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="data-parallel ranks `rlmesh serve learner` starts on this machine (one GPU each on "
+        "CUDA, gloo on CPU); under torchrun or deepspeed the launcher's ranks apply instead",
+    )
+
+
 def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:
     port, metrics_port = SERVICE_PORTS[name]
     return Field(
@@ -187,7 +198,7 @@ class RlmeshSection(Section):
     reward: RewardServiceConfig = _service("reward", RewardServiceConfig)
     reference: ReferenceServiceConfig = _service("reference", ReferenceServiceConfig)
     rollout: ServiceConfig = _service("rollout")
-    learner: ServiceConfig = _service("learner")
+    learner: LearnerServiceConfig = _service("learner", LearnerServiceConfig)
     control: ServiceConfig = _service("control")
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="learner → engine weights"

@@ -63,6 +63,28 @@ def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
+def local_rendezvous(world_size: int) -> dict[str, str]:
+    """The environment torchrun gives every rank of a one-machine group (RANK/LOCAL_RANK aside)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+
+
+def spawn_local_ranks(argv: Sequence[str], world_size: int) -> list[subprocess.Popen[bytes]]:
+    """Makes this process rank 0 of ``world_size`` data-parallel ranks on this machine and starts
+    ranks 1.. as children running ``argv``, each with the environment torchrun would give it. They
+    die with this process (PDEATHSIG), share its process group (a signal to the group reaches
+    them all) and write where it writes."""
+    rendezvous = local_rendezvous(world_size)
+    os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})
+    return [
+        subprocess.Popen(
+            _with_parent_death_signal(argv),
+            env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdin=subprocess.DEVNULL,
+        )
+        for r in range(1, world_size)
+    ]
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -289,11 +311,7 @@ class ProcessLauncher:
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        rendezvous = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(world_size),
-        }
+        rendezvous = local_rendezvous(world_size)
         argv = [sys.executable, "-m", "rlmesh.cli", "serve", "learner"]
         if config_path:
             argv += ["--config", str(config_path)]
