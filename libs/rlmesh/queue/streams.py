@@ -2,11 +2,22 @@
 
 - ``put`` adds protobuf messages atomically (a Lua script) and refuses, with ``QueueFullError``,
   a batch that would take the stream past ``maxlen``: unconsumed work is never trimmed away.
-- ``claim`` returns, in this order: this consumer's own pending entries left from before a
-  reconnect or restart, entries other consumers claimed but left idle for ``claim_idle_ms``
-  (a dead consumer's work), then new entries. ``interrupt`` ends a claim in progress early, a
-  blocked wait included, and loses nothing.
-- ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work.
+- ``claim`` returns, in this order: this consumer's own pending entries left from a restart
+  (read once, when the queue object is new), entries left idle for ``claim_idle_ms`` (a dead
+  consumer's work, or this consumer's own orphans, see below), then new entries. ``interrupt``
+  ends a claim in progress early, a blocked wait included, and loses nothing.
+- Orphans: Redis can hand entries to this consumer that this process never learns of (the
+  connection drops after Redis ran an XREADGROUP but before its reply arrived: redis-py retries
+  the command and the first reply is lost; or a ``claim`` failed after part of it was read).
+  Other consumers take them over once idle for ``claim_idle_ms``, like a dead consumer's; so
+  does this one's ``claim``, or with a single consumer they would wait for its restart. An own
+  pending entry that this queue object never handed out (or handed out and was then told to
+  ``forget``) is an orphan. One it handed out and that is not acked yet is never handed out
+  again by it, however idle (the learner holds trajectories for a step or more untouched).
+- Invariant for consumers with several replicas: an entry a consumer is still working on must be
+  ``touch``-ed more often than every ``claim_idle_ms``, or another consumer takes it over.
+- ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work. A
+  consumer that acks in a transaction of its own calls ``forget`` for them.
 - Poison entries (undecodable, or delivered more than ``max_deliveries`` times) move to the
   dead-letter stream with the reason; they never block the queue.
 """
@@ -121,6 +132,12 @@ class StreamQueue(Generic[M]):
         self.metrics = metrics
         self._put = redis.register_script(_PUT_SCRIPT)
         self._read_own_pending = True
+        # Where the read of own pending entries goes on: each read starts after the last entry the
+        # one before returned, or it would hand the same entries out again while they are in work.
+        self._own_pending_after = b"0"
+        # Entries claim() returned and that were not acked, dead-lettered or forgotten since: this
+        # process knows of them, so _reclaim never hands them out again (not orphans).
+        self._held: set[bytes] = set()
         self._label = stream.rsplit(":", 1)[-1]
         self._claims: set[_Claim] = set()
 
@@ -161,19 +178,28 @@ class StreamQueue(Generic[M]):
         self._claims.add(claim)
         try:
             out: list[Delivery[M]] = []
+            more_own_pending = False
             if self._read_own_pending:
-                entries = await self._read(count, "0", None)
-                if len(entries) < count:
-                    self._read_own_pending = False
+                entries = await self._read(count, self._own_pending_after, None)
+                if entries:
+                    self._own_pending_after = entries[-1][0]
+                # A full read: more may follow, and the next claim reads on from here.
+                self._read_own_pending = more_own_pending = len(entries) == count
                 out += await self._accept(entries, "own_pending", await self._delivery_counts(entries))
-            if len(out) < count and not claim.interrupted:
+            # While own pending entries may be left to read, the next claim reads them first and
+            # this one takes nothing else (fewer than count, when some were poison): a reclaim or a
+            # new read now would hand out own entries that the next read returns again.
+            if len(out) < count and not claim.interrupted and not more_own_pending:
                 out += await self._reclaim(count - len(out))
-            if len(out) < count and not claim.interrupted:
+            if len(out) < count and not claim.interrupted and not more_own_pending:
                 if out or block_ms is None:
                     entries = await self._read(count - len(out), ">", None)
                 else:
                     entries = await self._read_blocking(count, block_ms, claim)
                 out += await self._accept(entries, "new", {eid: 1 for eid, _ in entries})
+            # Only now: entries of a claim that raised never reach the caller, so they stay
+            # orphans that a later claim takes back after claim_idle_ms.
+            self._held.update(d.entry_id for d in out)
             return out
         finally:
             self._claims.discard(claim)
@@ -200,8 +226,15 @@ class StreamQueue(Generic[M]):
             pipe.xack(self.stream, self.group, *entry_ids)
             pipe.xdel(self.stream, *entry_ids)
             await pipe.execute()
+        self.forget(entry_ids)
         if self.metrics:
             self.metrics.acked.labels(self._label).inc(len(entry_ids))
+
+    def forget(self, entry_ids: Sequence[bytes]) -> None:
+        """Tells the queue that entries it handed out were acked by other means (the learner acks
+        in the transaction that marks their uids used); ``ack`` and ``dead_letter`` do it
+        themselves. Until then ``claim`` treats them as held by this process."""
+        self._held.difference_update(entry_ids)
 
     async def dead_letter(self, entry_id: bytes, payload: bytes | None, reason: str, deliveries: int) -> None:
         """Moves an entry to the dead-letter stream with the reason, atomically with its ack."""
@@ -222,6 +255,7 @@ class StreamQueue(Generic[M]):
             pipe.xack(self.stream, self.group, entry_id)
             pipe.xdel(self.stream, entry_id)
             await pipe.execute()
+        self.forget([entry_id])
         if self.metrics:
             self.metrics.dead_lettered.labels(self._label, reason.split(":", 1)[0]).inc()
 
@@ -304,21 +338,48 @@ class StreamQueue(Generic[M]):
         return _entries(self.redis.response_callbacks["XREADGROUP"](reply))
 
     async def _reclaim(self, count: int) -> list[Delivery[M]]:
-        """Claims entries other consumers left idle past ``claim_idle_ms``. Not XAUTOCLAIM: that
-        would also hand a live consumer its own slow entries again."""
+        """Claims entries left idle past ``claim_idle_ms``: other consumers' (dead, or too slow to
+        touch them), and this consumer's own orphans. Never one this object handed out and still
+        holds. Not XAUTOCLAIM: that would also hand a live consumer its own slow entries again.
+
+        An own entry that is idle and not held cannot be in work here: the only way to work on an
+        entry is to get it from ``claim``. (A second process under the same consumer name, which
+        ``touch``-es its entries as a consumer with replicas must, keeps them from looking idle.)"""
+        # Held entries idle past claim_idle_ms are in the reply too (a consumer that holds without
+        # touching), so they are counted into the window: they must not hide others.
         rows = await self.redis.xpending_range(
-            self.stream, self.group, min="-", max="+", count=count * 4 + 16, idle=self.claim_idle_ms
+            self.stream,
+            self.group,
+            min="-",
+            max="+",
+            count=count * 4 + 16 + len(self._held),
+            idle=self.claim_idle_ms,
         )
-        ids = [row["message_id"] for row in rows if row["consumer"].decode() != self.consumer][:count]
-        if not ids:
+        rows = [row for row in rows if row["message_id"] not in self._held][:count]
+        if not rows:
             return []
-        # XCLAIM re-checks the idle time, so two consumers racing for one entry cannot both win.
+        ids = [row["message_id"] for row in rows]
+        own = {row["message_id"] for row in rows if row["consumer"].decode() == self.consumer}
+        # XCLAIM re-checks the idle time, so two consumers racing for one entry cannot both win,
+        # and counts a delivery, so an entry that keeps getting lost ends in the dead letters.
         entries = await self.redis.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, ids)
         # An entry deleted while pending comes back without fields and is acked in _accept.
         entries = [(eid, fields) for eid, fields in entries]
-        if entries:
-            log.warning("reclaimed %d idle entries of %s from other consumers", len(entries), self.stream)
-        return await self._accept(entries, "reclaimed", await self._delivery_counts(entries))
+        counts = await self._delivery_counts(entries)
+        orphans = [(eid, fields) for eid, fields in entries if eid in own]
+        others = [(eid, fields) for eid, fields in entries if eid not in own]
+        if orphans:
+            log.warning(
+                "took back %d entries of %s pending under this consumer's name (%s) that this process "
+                "never got (a reply lost to a connection drop)",
+                len(orphans),
+                self.stream,
+                self.consumer,
+            )
+        if others:
+            log.warning("reclaimed %d idle entries of %s from other consumers", len(others), self.stream)
+        out = await self._accept(others, "reclaimed", counts)
+        return out + await self._accept(orphans, "orphaned", counts)
 
     async def touch(self, entry_ids: Sequence[bytes]) -> None:
         """Resets the idle time of entries this consumer is still working on (long generations),

@@ -83,6 +83,8 @@ class TrajectoryCollector:
                 pipe.xack(self.queue.stream, self.queue.group, *entry_ids)
                 pipe.xdel(self.queue.stream, *entry_ids)
             await pipe.execute()
+        # Acked here, not through queue.ack: the queue must stop counting them as held.
+        self.queue.forget(entry_ids)
         if self.queue.metrics:
             self.queue.metrics.acked.labels(self.queue._label).inc(len(entry_ids))
 
