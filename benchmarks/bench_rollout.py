@@ -140,9 +140,10 @@ class Loopback:
 
 async def push_vs_wire(
     url: str, model, load_format: str | None, runs: int
-) -> tuple[list[float], list[float], int]:
+) -> tuple[list[float], list[float], int, float]:
     """Seconds of ``runs`` pushes of ``model`` to the engine and of as many loopback transfers of
-    the same bytes, alternating, after a warm-up of each (the first push also builds the group)."""
+    the same bytes, alternating, after a warm-up of each (the first push also builds the group);
+    and the median round trip of a trivial HTTP call to the engine (a push makes one per bucket)."""
     client = EngineClient(url, timeout_s=600)
     pusher = WeightPusher([client], backend="gloo", timeout_s=300, load_format=load_format)
     # What the learner sends: the parameters by HF name, a tied embedding once.
@@ -158,19 +159,27 @@ async def push_vs_wire(
             assert report.bytes_per_engine == nbytes and not report.failed
             pushes.append(report.seconds)
             transfers.append(wire.seconds())
-        return pushes, transfers, nbytes
+        round_trips = []
+        for _ in range(20):
+            start = time.perf_counter()
+            await client.model_info()
+            round_trips.append(time.perf_counter() - start)
+        return pushes, transfers, nbytes, statistics.median(round_trips)
     finally:
         wire.close()
         await pusher.close()
         await client.aclose()
 
 
-def push_line(label: str, pushes: list[float], transfers: list[float], nbytes: int) -> float:
+def push_line(
+    label: str, pushes: list[float], transfers: list[float], nbytes: int, round_trip: float
+) -> float:
     push, wire = statistics.median(pushes), statistics.median(transfers)
     print(
         f"weight push: {nbytes / 1e6:.1f} MB{label} in {push:.3f} s ({nbytes / push / 1e9:.2f} GB/s; "
         f"{min(pushes):.3f}-{max(pushes):.3f}); raw loopback TCP {wire:.3f} s ({nbytes / wire / 1e9:.2f} GB/s; "
-        f"{min(transfers):.3f}-{max(transfers):.3f}): {push / wire:.2f}x the wire time",
+        f"{min(transfers):.3f}-{max(transfers):.3f}): {push / wire:.2f}x the wire time; fixed cost "
+        f"{(push - wire) * 1e3:.1f} ms, of which one HTTP round trip to the engine is {round_trip * 1e3:.1f} ms",
         flush=True,
     )
     return push / wire
@@ -227,11 +236,15 @@ def main() -> int:
         push_ratios = {}
         for hidden, url, pushed in push_models(launcher, args, engine.url, model):
             for load_format in ("flattened_bucket", None):
-                pushes, transfers, nbytes = asyncio.run(
+                pushes, transfers, nbytes, round_trip = asyncio.run(
                     push_vs_wire(url, pushed, load_format, args.push_runs)
                 )
                 ratio = push_line(
-                    f" (hidden {hidden}, {load_format or 'per_tensor'})", pushes, transfers, nbytes
+                    f" (hidden {hidden}, {load_format or 'per_tensor'})",
+                    pushes,
+                    transfers,
+                    nbytes,
+                    round_trip,
                 )
                 if load_format:
                     push_ratios[nbytes] = ratio
