@@ -5,6 +5,10 @@ Trajectories arrive in any order from any replica. They are grouped by ``group_u
 first served), and what arrives beyond that waits for the next step. Filters, each counted:
 
 - an older learner incarnation's group (see feeder): discarded;
+- a sample of a group the learner no longer waits for (``wanted``: given up as lost and enqueued
+  again under a new uid, or already trained on): discarded, so a latecomer — say an entry whose
+  delivery was lost and that the queue hands out again later — neither waits for ever nor
+  stays pending;
 - a group sampled with weights more than ``max_staleness`` versions old: discarded, and its
   prompt re-enqueued once;
 - an invalid sample (error set, non-finite score, bad lengths): dropped from its group, which
@@ -60,8 +64,10 @@ class BatchCollector:
         incarnation: int,
         max_staleness: int,
         validate: Callable[[Trajectory], str | None],
+        wanted: Callable[[str], bool] | None = None,
     ) -> None:
         self.collector = collector
+        self.wanted = wanted  # group uid -> still waited for; None: every group is
         self.n = n
         self.incarnation = incarnation
         self.max_staleness = max_staleness
@@ -69,7 +75,7 @@ class BatchCollector:
         self.groups: OrderedDict[str, Group] = OrderedDict()
         self._discarded_ids: list[bytes] = []
         self._discarded_uids: list[str] = []
-        self.counts = {"stale": 0, "old_incarnation": 0, "invalid": 0, "duplicates": 0}
+        self.counts = {"stale": 0, "old_incarnation": 0, "abandoned_group": 0, "invalid": 0, "duplicates": 0}
         self._held: set[str] = set()  # uids claimed and not yet committed: a second copy is redundant
 
     def _add(
@@ -77,6 +83,10 @@ class BatchCollector:
     ) -> None:
         if incarnation_of(traj.group_uid) != self.incarnation:
             self.counts["old_incarnation"] += 1
+            self._discard(traj, entry_id)
+            return
+        if self.wanted is not None and not self.wanted(traj.group_uid):
+            self.counts["abandoned_group"] += 1
             self._discard(traj, entry_id)
             return
         if traj.policy_version < version - self.max_staleness:

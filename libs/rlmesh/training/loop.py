@@ -278,6 +278,7 @@ class TrainingLoop:
             incarnation=self.incarnation,
             max_staleness=cfg.rlmesh.max_staleness,
             validate=validate_trajectory,
+            wanted=lambda gid: gid in self.feeder.outstanding,
         )
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
         self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)

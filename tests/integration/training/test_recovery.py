@@ -41,6 +41,7 @@ async def run(redis_url):
         incarnation=1,
         max_staleness=0,
         validate=lambda t: None,
+        wanted=lambda gid: gid in feeder.outstanding,  # as the learner's loop does
     )
     replica = Replica(prompt_queue(redis, keys, "replica"), trajectory_queue(redis, keys, "replica"))
     yield feeder, collector, LostGroupRecovery(feeder, collector), replica
@@ -109,6 +110,29 @@ async def test_lost_tasks_are_enqueued_again_once_nothing_is_in_flight(run, capl
     assert len(batch.groups) == 4 and len(batch.trajectories) == 4 * N
     feeder.taken(batch.groups)
     assert feeder.outstanding == {}
+
+
+async def test_samples_of_a_group_given_up_on_that_arrive_late_are_discarded_and_acked(run):
+    feeder, collector, recovery, replica = run
+    await feeder.ensure(1, version=0, max_staleness=0)
+    deliveries = await replica.claim()
+    late = deliveries[0]
+    # Its task vanishes from Redis while the replica still works on it, slowly.
+    await feeder.queue.redis.xdel(feeder.queue.stream, late.entry_id)
+    for d in deliveries[1:]:
+        await replica.finish(d)
+    await short_of(collector, 4)
+    assert await recovery.check(0) == []
+    (again,) = await recovery.check(0)
+    await replica.finish(late)  # the old group's samples arrive after all
+    (retry,) = await replica.claim()
+    assert retry.message.group_uid == again
+    await replica.finish(retry)
+    batch = await collector.collect(4, 0, timeout_s=30, requeue=nothing)
+    assert late.message.group_uid not in batch.groups and again in batch.groups
+    assert len(batch.trajectories) == 4 * N and batch.counts["abandoned_group"] == N
+    await collector.commit(batch)
+    assert await collector.collector.queue.length() == 0  # the latecomers are acked with the step
 
 
 async def test_a_prompt_that_keeps_failing_is_replaced_by_the_next_one(run, caplog):
