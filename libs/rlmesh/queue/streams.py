@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -33,7 +34,7 @@ from typing import Generic, TypeVar
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 log = logging.getLogger("rlmesh.queue")
 
@@ -140,6 +141,8 @@ class StreamQueue(Generic[M]):
         self._held: set[bytes] = set()
         self._label = stream.rsplit(":", 1)[-1]
         self._claims: set[_Claim] = set()
+        self._wakeable = True  # False once the server refused CLIENT ID
+        self._next_wide_reclaim = 0.0  # monotonic time of the next reclaim that looks past held entries
 
     async def ensure_group(self) -> None:
         """Creates the stream and its consumer group (from the first entry) if missing."""
@@ -213,10 +216,15 @@ class StreamQueue(Generic[M]):
         It does not wait for them to return. When Redis answers the wake the blocked read is over
         server-side (nothing more can be handed to it); in the one case the wake cannot reach it
         (the read still on its way to Redis when woken), that claim ends after its ``block_ms``."""
-        for claim in list(self._claims):
+        claims = list(self._claims)
+        for claim in claims:  # all first: a wake below may take a round trip
             claim.interrupted = True
+        for claim in claims:
             if claim.client_id is not None:
-                await self.redis.client_unblock(claim.client_id)
+                try:
+                    await self.redis.client_unblock(claim.client_id)
+                except ResponseError as e:  # say, an ACL without CLIENT: it ends after block_ms
+                    log.warning("could not wake a blocked claim on %s: %s", self.stream, e)
 
     async def ack(self, entry_ids: Sequence[bytes]) -> None:
         """Acknowledges and deletes; acking an entry twice is harmless."""
@@ -305,6 +313,8 @@ class StreamQueue(Generic[M]):
         needs the id Redis gave this connection: CLIENT ID goes out in the same write as the read, so
         knowing it costs no round trip. Both replies are read off one pooled connection here, which is
         what redis-py does for a pipeline (its retry and disconnect-on-error included)."""
+        if not self._wakeable:
+            return await self._read(count, ">", block_ms)
         pool = self.redis.connection_pool
         conn = await pool.get_connection()
         read_new = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms)
@@ -315,23 +325,36 @@ class StreamQueue(Generic[M]):
             if claim.interrupted:
                 return None
             await conn.send_packed_command(commands)
-            client_id = int(await conn.read_response())
+            try:
+                client_id: int | None = int(await conn.read_response())
+            except ResponseError as e:
+                # CLIENT refused (an ACL user without @admin, a Redis-like server): the read below
+                # still runs; from now on claims read without wake support (Pause waits them out).
+                log.warning(
+                    "CLIENT ID refused on %s (%s): blocked claims cannot be woken early", self.stream, e
+                )
+                self._wakeable, client_id = False, None
             claim.client_id = client_id
-            if claim.interrupted:
+            if claim.interrupted and client_id is not None:
                 # interrupt() came while the commands were on their way and could not name this
                 # connection yet: wake it from here. Redis ran the read along with CLIENT ID (one
-                # write), so it is blocked now, or already answered.
-                await self.redis.client_unblock(client_id)
+                # write), so it is blocked now, or already answered. Best effort: the reply must
+                # still be read below whatever happens to the wake.
+                with contextlib.suppress(RedisError):
+                    await self.redis.client_unblock(client_id)
             return await conn.read_response()
 
         async def reconnect(error: Exception) -> None:
             await conn.disconnect(error=error)
 
         try:
-            # A connection error is retried like any command; a cancellation or any other error
-            # while reading drops the connection (redis-py's read_response does), so it never goes
-            # back to the pool with a reply still on its way.
+            # A connection error is retried like any command.
             reply = await conn.retry.call_with_retry(read, reconnect)
+        except BaseException:
+            # Cancelled, or an error with a reply possibly still on its way: this connection must
+            # not go back to the pool in the middle of an exchange.
+            await conn.disconnect()
+            raise
         finally:
             claim.client_id = None
             await pool.release(conn)
@@ -345,15 +368,17 @@ class StreamQueue(Generic[M]):
         An own entry that is idle and not held cannot be in work here: the only way to work on an
         entry is to get it from ``claim``. (A second process under the same consumer name, which
         ``touch``-es its entries as a consumer with replicas must, keeps them from looking idle.)"""
-        # Held entries idle past claim_idle_ms are in the reply too (a consumer that holds without
-        # touching), so they are counted into the window: they must not hide others.
+        # Held entries idle past claim_idle_ms are in the reply too (the learner holds trajectories
+        # for a step or more untouched) and could hide others, so now and then the window covers
+        # them all — not on every claim: that can be thousands of rows, claims come every 200 ms,
+        # and a reclaim only has to happen within about claim_idle_ms.
+        window = count * 4 + 16
+        now = time.monotonic()
+        if self._held and now >= self._next_wide_reclaim:
+            window += len(self._held)
+            self._next_wide_reclaim = now + self.claim_idle_ms / 4000
         rows = await self.redis.xpending_range(
-            self.stream,
-            self.group,
-            min="-",
-            max="+",
-            count=count * 4 + 16 + len(self._held),
-            idle=self.claim_idle_ms,
+            self.stream, self.group, min="-", max="+", count=window, idle=self.claim_idle_ms
         )
         rows = [row for row in rows if row["message_id"] not in self._held][:count]
         if not rows:

@@ -229,10 +229,17 @@ class SamplerLoop:
             for delivery in deliveries:
                 task = asyncio.create_task(self._handle(delivery))
                 self._in_flight[delivery.entry_id] = task
-                task.add_done_callback(lambda _t, eid=delivery.entry_id: self._in_flight.pop(eid, None))
+                task.add_done_callback(lambda _t, eid=delivery.entry_id: self._finished(eid))
             self.metrics.in_flight.set(len(self._in_flight))
         finally:
             self._parked.set()
+
+    def _finished(self, entry_id: bytes) -> None:
+        self._in_flight.pop(entry_id, None)
+        # Acked or dead-lettered (the queue has forgotten it already), or given up on with Redis
+        # unreachable: then it stays pending, and the queue must treat it as an orphan to take
+        # back, not as an entry this process still works on.
+        self.prompts.forget([entry_id])
 
     async def _wait_for_room(self) -> None:
         if self._in_flight:

@@ -3,7 +3,7 @@ after the wake can be handed to it."""
 
 import asyncio
 
-from rlmesh.queue import prompt_queue
+from rlmesh.queue import connect, prompt_queue
 from rlmesh.v1 import trajectory_pb2
 from tests.helpers import blocked_reads, eventually
 
@@ -50,3 +50,29 @@ async def test_interrupt_without_a_claim_in_progress_changes_nothing(redis, keys
     await eventually(lambda: blocked_reads(redis), 1, "the claim to block")
     await producer.put(tasks("a"))
     assert [d.message.uid for d in await claim] == ["a"]
+
+
+async def test_without_the_client_command_claims_still_work_and_the_connection_stays_in_step(
+    redis, redis_server, keys
+):
+    """A least-privilege ACL user (or a Redis-like server) may refuse CLIENT ID / CLIENT UNBLOCK:
+    blocking claims then go on without early wakes, and no reply is left behind on a connection."""
+    user = f"limited-{keys.run_id}"
+    await redis.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-client")
+    limited = connect(redis_server.url.replace("redis://", f"redis://{user}:pw@"))
+    try:
+        producer = prompt_queue(redis, keys, "learner")
+        replica = prompt_queue(limited, keys, "replica")
+        await replica.ensure_group()
+        await producer.put(tasks("a"))
+        assert [d.message.uid for d in await replica.claim(5, block_ms=100)] == ["a"]
+        # Every later reply belongs to its own command (a reply left unread would shift them).
+        assert await limited.ping() is True and await replica.pending() == 1
+        claim = asyncio.create_task(replica.claim(5, block_ms=LONG_BLOCK_MS))
+        await eventually(lambda: blocked_reads(redis), 1, "the claim to block")
+        await replica.interrupt()  # cannot wake it, and does not fail
+        await producer.put(tasks("b"))
+        assert [d.message.uid for d in await claim] == ["b"]
+        assert await limited.ping() is True and await replica.pending() == 2
+    finally:
+        await limited.aclose()

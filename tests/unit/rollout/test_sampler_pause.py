@@ -28,6 +28,9 @@ class ScriptedQueue:
     async def touch(self, entry_ids) -> None:
         pass
 
+    def forget(self, entry_ids) -> None:
+        pass
+
     async def claim(self, count, block_ms=None):
         self.claims += 1
         self._answer = asyncio.get_running_loop().create_future()
