@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
             loop.state.message = f"{type(e).__name__}: {e}"
             service.exit_code = 1
         finally:
+            _RUN_ENDED.set()  # the other ranks have been told: their exit is expected now
             service.request_stop()
 
     task: list[asyncio.Task[None]] = []
@@ -94,11 +96,18 @@ def follower_main(argv: Sequence[str] | None) -> int:
         return 2
     rank = os.environ.get("RANK")
     configure_logging(f"learner-rank{rank}", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
+    parent = os.getppid()
 
     def on_signal(signum: int, frame: object) -> None:
-        # Launchers (torchrun, compose, a dying parent's PDEATHSIG) signal every rank at once. Rank
-        # 0 then finishes its step and writes the final checkpoint, collectives this rank must take
-        # part in: dying now would break them. It stops when rank 0 says so, or when rank 0 is gone.
+        if os.getppid() != parent:
+            # Our parent died: rank 0 itself for ranks it started (its PDEATHSIG), or the launcher.
+            # Rank 0 can no longer say stop, and this rank may be inside a collective that never
+            # completes (on NCCL, for its whole timeout): leave now.
+            log.error("%s: rank %s's parent is gone, stopping", signal.Signals(signum).name, rank)
+            os._exit(1)
+        # Launchers (torchrun, compose) signal every rank at once. Rank 0 then finishes its step
+        # and writes the final checkpoint, collectives this rank must take part in: dying now would
+        # break them. It stops when rank 0 says so, or when rank 0 is gone.
         log.info("%s: rank %s stops when rank 0 ends the run", signal.Signals(signum).name, rank)
 
     try:
@@ -120,14 +129,18 @@ def follower_main(argv: Sequence[str] | None) -> int:
     return 0
 
 
-# Set once rank 0's service has returned: a follower exiting after that is no news.
-_RANK0_DONE = threading.Event()
+# Set once rank 0's run has ended (it told the other ranks so): a rank exiting after that is no news.
+_RUN_ENDED = threading.Event()
+# How long rank 0 may take to stop once a rank it started has failed, before it is ended hard: a
+# collective with the dead rank may never complete (NCCL waits out its timeout), and a rank 0 that
+# is PID 1 in a container ignores a SIGTERM it has no handler for yet (still starting up).
+HARD_STOP_S = 120.0
 
 
 def start_local_ranks(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
     """Without a launcher's environment and with ``rlmesh.learner.ranks`` > 1: this process becomes
-    rank 0 and starts the other ranks as its children. A child that fails stops this process
-    (SIGTERM: rank 0 would otherwise wait for it in a collective or at the rendezvous)."""
+    rank 0 and starts the other ranks as its children. A child that fails while the run is on stops
+    this process: SIGTERM, then ``os._exit(1)`` after ``HARD_STOP_S``."""
     from rlmesh.runtime.launcher import spawn_local_ranks
 
     args = service_arg_parser("learner").parse_args(argv)
@@ -141,9 +154,13 @@ def start_local_ranks(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
 
     def watch(rank: int, child: subprocess.Popen[bytes]) -> None:
         code = child.wait()
-        if code != 0 and not _RANK0_DONE.is_set():
-            log.error("learner rank %d exited with code %d: stopping rank 0", rank, code)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if code == 0 or _RUN_ENDED.is_set():
+            return
+        log.error("learner rank %d exited with code %d: stopping rank 0", rank, code)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not _RUN_ENDED.wait(HARD_STOP_S):
+            log.error("rank 0 did not stop within %.0f s of losing rank %d: exiting", HARD_STOP_S, rank)
+            os._exit(1)
 
     for rank, child in enumerate(children, start=1):
         threading.Thread(target=watch, args=(rank, child), name=f"rank{rank}-watch", daemon=True).start()
@@ -153,9 +170,10 @@ def start_local_ranks(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
 def join_local_ranks(children: Sequence[subprocess.Popen[bytes]], code: int, grace_s: float = 60.0) -> int:
     """Rank 0 is done: its run told the others to stop; wait for them (kill what outlives
     ``grace_s``). Exit code: rank 0's, or 1 when a rank failed."""
+    deadline = time.monotonic() + grace_s
     for rank, child in enumerate(children, start=1):
         try:
-            child_code = child.wait(timeout=grace_s)
+            child_code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.error("learner rank %d did not stop within %.0f s: killing it", rank, grace_s)
             child.kill()
@@ -172,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return follower_main(argv)
     children = start_local_ranks(argv) if "RANK" not in os.environ else []
     code = service_main("learner", build, argv, description=__doc__.splitlines()[0])
-    _RANK0_DONE.set()
+    _RUN_ENDED.set()  # also when the run never began
     return join_local_ranks(children, code)
 
 
