@@ -1,18 +1,39 @@
 """One async client for SGLang's native HTTP API, for a real SGLang server and the embedded
 engine alike. Every call has a deadline; every failure names the engine's URL and the endpoint.
 
-Version differences are probed, not configured: ``/begin_weight_update`` and
-``/end_weight_update`` (SGLang 0.5.21+) are called when the server has them (a 404 is
-remembered and skipped afterwards).
+Version differences are probed, not configured (each probe is remembered per client):
+
+- ``/begin_weight_update`` and ``/end_weight_update`` (SGLang 0.5.21+; 0.5.23 refuses
+  ``/update_weights_from_distributed`` outside them) are called when the server has them.
+- ``/model_info`` and ``/server_info`` (SGLang 0.5.6+; the ``get_`` names are deprecated there and
+  log a warning on every call) are preferred, the ``get_`` names used where they are missing.
+- ``load_format="flattened_bucket"`` needs SGLang 0.5.6+: older servers have no such field, ignore
+  it and wait for one broadcast per tensor, so it is refused before the trainer broadcasts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
+
+FLATTENED_BUCKET = "flattened_bucket"
+# The first SGLang release whose UpdateWeightsFromDistributedReqInput has ``load_format`` (0.5.5.post3
+# has none: the field would be dropped and the server would receive tensor by tensor).
+FLATTENED_BUCKET_SINCE = (0, 5, 6)
+
+
+def parse_server_version(text: Any) -> tuple[int, ...] | None:
+    """``"0.5.5.post3"`` -> (0, 5, 5); None when ``text`` names no version."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text or ""))
+    if not m:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
 
 
 class EngineError(RuntimeError):
@@ -36,6 +57,9 @@ class EngineClient:
         self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
         self._has_begin_end: bool | None = None
+        # Paths that answered (SGLang 0.5.6+ names first, the deprecated ``get_`` names after a 404).
+        self._info_paths: dict[str, str] = {}
+        self._flattened_bucket: bool | None = None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -73,7 +97,10 @@ class EngineClient:
         except ValueError:
             body = {"success": resp.status_code == 200, "message": resp.text}
         if resp.status_code != 200 or not body.get("success", False):
-            raise EngineError(f"{self.name}: {path} failed ({resp.status_code}): {body.get('message', body)}")
+            raise EngineError(
+                f"{self.name}: {path} failed ({resp.status_code}): {body.get('message', body)}",
+                resp.status_code,
+            )
         return str(body.get("message", ""))
 
     # ----- generation -----
@@ -95,6 +122,14 @@ class EngineClient:
             body["logprob_start_len"] = -1
         if rid:
             body["rid"] = rid
+        try:
+            return await self._json("POST", "/generate", body, timeout_s)
+        except EngineError as e:
+            # SGLang answers 400 "Duplicate request ID detected" while an earlier request with this
+            # rid still runs there (a retry after our timeout, before SGLang noticed the disconnect).
+            if not (rid and e.status == 400 and "Duplicate request ID" in str(e)):
+                raise
+        body["rid"] = f"{rid}-{uuid.uuid4().hex[:8]}"
         return await self._json("POST", "/generate", body, timeout_s)
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
@@ -104,30 +139,77 @@ class EngineClient:
             return False
         return resp.status_code == 200
 
-    async def wait_healthy(self, timeout_s: float) -> None:
+    async def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not await self.healthy():
             if time.monotonic() > deadline:
                 raise EngineError(f"{self.name}: /health_generate not OK within {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)  # a refused connection answers at once: don't spin
 
-    async def model_info(self) -> dict[str, Any]:
-        resp = await self._call("GET", "/get_model_info")
-        if resp.status_code == 404:
-            resp = await self._call("GET", "/model_info")
+    async def _info(self, name: str) -> dict[str, Any]:
+        """GET /{name}, or /get_{name} where the server has only that (SGLang before 0.5.6)."""
+        path = self._info_paths.get(name, f"/{name}")
+        resp = await self._call("GET", path)
+        if resp.status_code == 404 and path == f"/{name}":
+            path = f"/get_{name}"
+            resp = await self._call("GET", path)
         if resp.status_code != 200:
-            raise EngineError(f"{self.name}: model info answered {resp.status_code}: {resp.text[:300]}")
+            raise EngineError(
+                f"{self.name}: {path} answered {resp.status_code}: {resp.text[:300]}", resp.status_code
+            )
+        self._info_paths[name] = path
         return resp.json()
 
+    async def model_info(self) -> dict[str, Any]:
+        """``weight_version`` among others (SGLang: a string, "default" before any update)."""
+        return await self._info("model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        """The server's arguments (``tp_size``, ``dp_size``, ...) and ``version`` (SGLang); the
+        embedded engine's counters."""
+        return await self._info("server_info")
+
+    async def server_version(self) -> tuple[int, ...] | None:
+        """SGLang's version, or None for a server that names none (the embedded engine)."""
+        return parse_server_version((await self.server_info()).get("version"))
+
+    async def supports_flattened_bucket(self) -> bool:
+        """Whether ``load_format="flattened_bucket"`` is understood (SGLang 0.5.6+, the embedded engine)."""
+        if self._flattened_bucket is None:
+            version = await self.server_version()
+            self._flattened_bucket = version is None or version >= FLATTENED_BUCKET_SINCE
+        return self._flattened_bucket
+
     async def flush_cache(self) -> None:
+        """Drops the prefix (radix) cache. SGLang refuses (400) while requests run or wait, unless
+        generation is paused (``pause_generation``)."""
         resp = await self._call("POST", "/flush_cache")
         if resp.status_code != 200:
-            raise EngineError(f"{self.name}: /flush_cache answered {resp.status_code}: {resp.text[:300]}")
+            raise EngineError(
+                f"{self.name}: /flush_cache answered {resp.status_code}: {resp.text[:300]}", resp.status_code
+            )
 
-    async def pause_generation(self) -> None:
-        await self._call("POST", "/pause_generation", {})
+    async def pause_generation(self, mode: str | None = "retract") -> None:
+        """Stops scheduling generation. ``mode`` (SGLang 0.5.6+; 0.5.5 ignores it and aborts):
+        "retract" puts running requests back in the queue (their KV cache is dropped and recomputed
+        after ``continue_generation``, so a flush and weight updates may run meanwhile); "abort"
+        (SGLang's default) ends them with finish_reason abort; "in_place" keeps them and their KV
+        cache (a flush is then refused). The embedded engine ignores it."""
+        body = {} if mode is None else {"mode": mode}
+        resp = await self._call("POST", "/pause_generation", body)
+        if resp.status_code != 200:
+            raise EngineError(
+                f"{self.name}: /pause_generation answered {resp.status_code}: {resp.text[:300]}",
+                resp.status_code,
+            )
 
     async def continue_generation(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+        resp = await self._call("POST", "/continue_generation", {})
+        if resp.status_code != 200:
+            raise EngineError(
+                f"{self.name}: /continue_generation answered {resp.status_code}: {resp.text[:300]}",
+                resp.status_code,
+            )
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
@@ -165,7 +247,18 @@ class EngineClient:
         load_format: str | None = None,
     ) -> str:
         """``load_format`` "flattened_bucket": the sender broadcasts all the tensors as one uint8
-        tensor (their bytes in order); None (not sent): one broadcast per tensor."""
+        tensor (their bytes in order, each at a byte offset that is a multiple of its element size:
+        SGLang 0.5.23 refuses an unaligned one); None (not sent): one broadcast per tensor.
+
+        Refused here (EngineError, status 400) for a server that predates flattened_bucket: it would
+        drop the field and wait for per-tensor broadcasts, mismatching the sender's one broadcast."""
+        if load_format == FLATTENED_BUCKET and not await self.supports_flattened_bucket():
+            raise EngineError(
+                f"{self.name}: load_format={FLATTENED_BUCKET!r} needs SGLang "
+                f"{'.'.join(map(str, FLATTENED_BUCKET_SINCE))}+ (this server: "
+                f"{'.'.join(map(str, await self.server_version() or ()))}); push per tensor instead",
+                400,
+            )
         body: dict[str, Any] = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -194,10 +287,21 @@ class EngineClient:
         )
 
     async def update_weight_version(self, version: str) -> str:
-        return await self._ack("/update_weight_version", {"new_version": version})
+        # SGLang's abort_all_requests defaults to true: it would end every running request.
+        return await self._ack(
+            "/update_weight_version", {"new_version": version, "abort_all_requests": False}
+        )
 
     async def begin_weight_update(self) -> None:
-        await self._probe_call("/begin_weight_update")
+        """Opens SGLang's weight-update session (0.5.21+). A session left open by a push that died
+        half-way is closed first: SGLang refuses a second begin until an end."""
+        try:
+            await self._probe_call("/begin_weight_update")
+        except EngineError as e:
+            if not (e.status == 400 and "already open" in str(e)):
+                raise
+            await self._probe_call("/end_weight_update")
+            await self._probe_call("/begin_weight_update")
 
     async def end_weight_update(self) -> None:
         await self._probe_call("/end_weight_update")
@@ -211,4 +315,6 @@ class EngineClient:
             return
         self._has_begin_end = True
         if resp.status_code != 200:
-            raise EngineError(f"{self.name}: {path} answered {resp.status_code}: {resp.text[:300]}")
+            raise EngineError(
+                f"{self.name}: {path} answered {resp.status_code}: {resp.text[:300]}", resp.status_code
+            )

@@ -239,6 +239,7 @@ def create_app(
         }
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Any:
         return {
             "engine": "embedded",

@@ -5,6 +5,9 @@
   ``python -m sglang.launch_server`` with flags from the config and wait for /health_generate.
 
 Either way the replica holds an ``EngineClient``: everything after start-up is the same code.
+``RunningEngine.weight_sync_ranks`` is how many ranks the engine brings to a weight-update group:
+SGLang joins every tensor-parallel worker, as rank ``rank_offset + tp_rank``, so the group's world
+size is 1 (the trainer) + the server's ``tp_size``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class RunningEngine:
     url: str
     client: EngineClient
     process: ManagedProcess | None = None
+    weight_sync_ranks: int = 1  # SGLang: tp_size (each TP worker joins the weight-update group)
 
 
 def sglang_launch_argv(
@@ -38,10 +42,17 @@ def sglang_launch_argv(
     mem_fraction_static: float = 0.5,
     seed: int = 0,
     dtype: str = "bfloat16",
+    skip_tokenizer_init: bool = True,
     extra_args: list[str] | None = None,
 ) -> list[str]:
     """The SGLang server command line for one replica (one server per replica: SGLang's weight
-    endpoints need dp_size == 1). Token ids only (--skip-tokenizer-init): rlmesh tokenizes."""
+    endpoints need dp_size == 1). Token ids only (--skip-tokenizer-init): rlmesh tokenizes; SGLang
+    then answers 400 to sampling params that need its tokenizer (``stop`` strings,
+    ``min_new_tokens`` > 0) and sends no ``text``. Every flag is a ServerArgs field of SGLang
+    0.4.10-0.5.23 (``--tp-size`` alias ``--tensor-parallel-size``; ``--dtype`` one of auto, half,
+    float16, bfloat16, float, float32)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     return [
         sys.executable,
         "-m",
@@ -60,9 +71,37 @@ def sglang_launch_argv(
         str(seed),
         "--dtype",
         dtype,
-        "--skip-tokenizer-init",
+        *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
         *(extra_args or []),
     ]
+
+
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last ``--name V`` or ``--name=V`` among ``names`` in ``argv``."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def weight_sync_ranks_of(server_info: dict) -> int:
+    """The ranks an SGLang server brings to a weight-update group, from its /server_info: each
+    tensor-parallel worker joins as ``rank_offset + tp_rank``. Raises where SGLang cannot take part
+    (dp_size > 1: its weight endpoints assert dp_size == 1; pp_size > 1: workers of different
+    pipeline stages would claim the same rank). The embedded engine names no tp_size: 1."""
+    tp = int(server_info.get("tp_size") or 1)
+    dp = int(server_info.get("dp_size") or 1)
+    pp = int(server_info.get("pp_size") or 1)
+    if dp > 1 or pp > 1:
+        raise ValueError(
+            f"SGLang server with dp_size={dp}, pp_size={pp}: weight updates need dp_size == 1 and "
+            "pp_size == 1 (run one server per replica; use tp_size for more GPUs)"
+        )
+    return tp
 
 
 async def start_engine(
@@ -79,6 +118,7 @@ async def start_engine(
     mem_fraction_static: float = 0.5,
     dtype: str = "bfloat16",
     seed: int = 0,
+    skip_tokenizer_init: bool = True,
     extra_args: list[str] | None = None,
 ) -> RunningEngine:
     if kind == "embedded":
@@ -98,7 +138,8 @@ async def start_engine(
     if attach_urls:
         client = EngineClient(attach_urls[0], timeout_s=request_timeout_s, name=f"{name}-sglang")
         await client.wait_healthy(startup_timeout_s)
-        return RunningEngine("sglang", attach_urls[0], client)
+        ranks = weight_sync_ranks_of(await client.server_info())
+        return RunningEngine("sglang", attach_urls[0], client, weight_sync_ranks=ranks)
     port = free_port()
     argv = sglang_launch_argv(
         model_path,
@@ -107,7 +148,17 @@ async def start_engine(
         mem_fraction_static=mem_fraction_static,
         seed=seed,
         dtype=dtype,
+        skip_tokenizer_init=skip_tokenizer_init,
         extra_args=extra_args,
+    )
+    # extra_args may set the parallelism itself (argparse: the last one wins).
+    ranks = int(_flag_value(argv, "--tp-size", "--tensor-parallel-size") or tp_size)
+    weight_sync_ranks_of(
+        {
+            "tp_size": ranks,
+            "dp_size": _flag_value(argv, "--dp-size", "--data-parallel-size"),
+            "pp_size": _flag_value(argv, "--pp-size", "--pipeline-parallel-size"),
+        }
     )
     proc = launcher.spawn(f"{name}-sglang", argv)
     url = f"http://127.0.0.1:{port}"
@@ -124,4 +175,4 @@ async def start_engine(
                 f"SGLang at {url} not healthy within {startup_timeout_s:.0f} s; see {proc.log_path}"
             )
         await asyncio.sleep(1.0)
-    return RunningEngine("sglang", url, client, proc)
+    return RunningEngine("sglang", url, client, proc, weight_sync_ranks=ranks)

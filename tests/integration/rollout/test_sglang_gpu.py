@@ -32,6 +32,11 @@ def test_launch_command_is_one_token_id_server_per_replica():
 @pytest.mark.gpu
 @needs_sglang_gpu
 def test_sglang_generate_and_weight_push(tmp_path):
+    """One GPU: the trainer (this process) and the server share it, so the weight group is gloo
+    (NCCL refuses two ranks on one device: "Duplicate GPU detected"). The model is bf16 with a head
+    dim of 64: on Hopper SGLang's default attention backend is FA3, which runs neither fp32 nor a
+    head dim of 16. Llama, not Qwen2: SGLang's Qwen2ForCausalLM has no get_weights_by_name (the
+    verify step would get a 400)."""
     from transformers import AutoModelForCausalLM
 
     from rlmesh.models import build_tiny_model, build_tokenizer
@@ -40,8 +45,9 @@ def test_sglang_generate_and_weight_push(tmp_path):
     from rlmesh.weights.push import WeightPusher
 
     tok = build_tokenizer()
-    start = build_tiny_model(tmp_path / "a", tok, hidden_size=64, num_layers=2, seed=1)
-    target = build_tiny_model(tmp_path / "b", tok, hidden_size=64, num_layers=2, seed=2)
+    shape = {"arch": "llama", "hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2}
+    start = build_tiny_model(tmp_path / "a", tok, seed=1, dtype=torch.bfloat16, **shape)
+    target = build_tiny_model(tmp_path / "b", tok, seed=2, dtype=torch.bfloat16, **shape)
     prompts = [[10, 20, 30], [5, 6, 7, 8]]
 
     async def scenario():
@@ -55,18 +61,37 @@ def test_sglang_generate_and_weight_push(tmp_path):
                 max_batch_size=8,
                 startup_timeout_s=600,
                 request_timeout_s=300,
-                dtype="float32",
+                dtype="bfloat16",
+                mem_fraction_static=0.3,
+                extra_args=["--disable-cuda-graph"],
             )
+            assert engine.weight_sync_ranks == 1
+            client = engine.client
+            assert (await client.server_version()) is not None
             sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-            first = await engine.client.generate(prompts, sp)
-            assert all(len(o["output_ids"]) == 6 for o in first)
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-            pusher = WeightPusher([engine.client], backend="nccl", timeout_s=120)
-            report = await pusher.push(((n, t.cuda()) for n, t in model.state_dict().items()), version=1)
-            assert not report.failed
+            first = await client.generate(prompts, sp)
+            assert isinstance(first, list) and len(first) == 2
+            for o in first:
+                assert len(o["output_ids"]) == 6
+                meta = o["meta_info"]
+                assert meta["finish_reason"]["type"] == "length"
+                assert [tid for _, tid, _ in meta["output_token_logprobs"]] == o["output_ids"]
+            many = await client.generate(prompts[0], {**sp, "temperature": 1.0, "n": 3}, rid="task-1")
+            assert isinstance(many, list) and len(many) == 3
+
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+            pusher = WeightPusher([client], backend="gloo", timeout_s=120)
+            await client.pause_generation()  # as a learner's push should: see docs/sglang.md
+            report = await pusher.push(model.state_dict().items(), version=1)
+            await client.flush_cache()
+            await client.continue_generation()
+            assert not report.failed, report.failed
+            assert (await client.model_info())["weight_version"] == "1"
             mismatches = await pusher.verify(dict(list(model.state_dict().items())[:4]))
-            assert all(m == [] for m in mismatches.values())
+            assert all(m == [] for m in mismatches.values()), mismatches
+            second = await client.generate(prompts, sp)
+            assert all(o["meta_info"]["weight_version"] == "1" for o in second)
             await pusher.close()
-            await engine.client.aclose()
+            await client.aclose()
 
     asyncio.run(scenario())
