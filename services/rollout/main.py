@@ -153,7 +153,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
             engine=engine.kind,
             policy_version=sampler.policy_version,
             capacity=settings.tasks_in_flight,
-            weight_sync_ranks=1,
+            weight_sync_ranks=engine.weight_sync_ranks,
             state=servicer.current_state(),
         )
 

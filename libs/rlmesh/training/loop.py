@@ -362,7 +362,9 @@ class TrainingLoop:
             or EngineClient(r.engine_url, name=r.replica_id, timeout_s=timeout)
             for r in live
         ]
-        for unused in self.pusher.set_engines(clients):
+        # An SGLang engine's TP workers each join its weight group (an older registry entry: 0).
+        ranks = [max(1, r.weight_sync_ranks) for r in live]
+        for unused in self.pusher.set_engines(clients, ranks):
             await unused.aclose()
         return live
 

@@ -1,16 +1,23 @@
 """The trainer's side of weight sync: push named tensors to engines over torch.distributed.
 
-One process group per engine (world size 1 + the engine's ranks): a replica that dies mid-push
-breaks only its own group, so the push fails fast for it — naming it — and completes for the
-others; a broadcast's bytes leave the trainer once per receiver either way on gloo. For each
-bucket, every engine's update call (names, dtypes, shapes, load_format) goes out first, then the
-trainer broadcasts, then the calls' answers are awaited. With ``load_format="flattened_bucket"``
-(SGLang's; the default) the bucket is copied once into one uint8 tensor, shared by all engines,
-and broadcast as a single collective — or not copied at all when its tensors already lie back to
-back in one storage (``bucket.packed_bytes``); with ``None`` (SGLang servers without flattened_bucket
-support) each tensor is broadcast on its own, in order. On CPU the flat buffer (one bucket's
-bytes) is kept from push to push: see ``rlmesh.weights.bucket``. Every collective has the group's
-deadline and every HTTP call the client's: nothing hangs silently.
+One process group per engine (world size 1 + the engine's ranks, its TP size on SGLang): a
+replica that dies mid-push breaks only its own group, so the push fails fast for it — naming
+it — and completes for the others; a broadcast's bytes leave the trainer once per receiver either
+way on gloo.
+
+A push is SGLang's cycle (docs/sglang.md), the same calls on the embedded engine: pause generation
+(running requests retracted: none runs on half-updated weights, and the cache may be flushed),
+``/begin_weight_update``, the buckets, ``/end_weight_update``, the new weight version, a flush of
+the prefix cache, continue. For each bucket, every engine's update call (names, dtypes, shapes,
+load_format) goes out first, then the trainer broadcasts, then the calls' answers are awaited;
+an engine that refuses the update before receiving is given up at once, not at the group's
+deadline. With ``load_format="flattened_bucket"`` (SGLang's; the default) the bucket is copied
+once into one uint8 tensor, shared by all engines, and broadcast as a single collective — or not
+copied at all when its tensors already lie back to back in one storage (``bucket.packed_bytes``);
+with ``None`` (or to an SGLang older than 0.5.6) each tensor is broadcast on its own, in order.
+On CPU the flat buffer (one bucket's bytes) is kept from push to push: see
+``rlmesh.weights.bucket``. Every collective has the group's deadline and every HTTP call the
+client's: nothing hangs silently.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -59,6 +66,11 @@ class EngineLink:
     group_name: str = ""
     pg: dist.ProcessGroup | None = None
     healthy: bool = True
+    # What this engine is sent: the pusher's load_format, or per tensor for a server too old for it.
+    load_format: str | None = None
+    # A broadcast on its group may still be pending (abandoned when the engine refused the update
+    # before receiving): the group must not be destroyed under it.
+    busy: bool = False
 
     @property
     def name(self) -> str:
@@ -90,6 +102,18 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterable[list[tuple[str, 
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def aligned(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The bucket with every tensor at a byte offset that is a multiple of its element size once
+    flattened (SGLang refuses, or fails on, any other): by descending element size, otherwise in
+    order — so a bucket of one dtype, the usual case, is unchanged."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())
+
+
+def _wait_all(works: Sequence[dist.Work]) -> None:
+    for work in works:
+        work.wait()
 
 
 def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
@@ -144,21 +168,25 @@ class WeightPusher:
         self.group_prefix = group_prefix or f"rlmesh_weights_{uuid.uuid4().hex[:8]}"
         self._generation = 0
 
-    def set_engines(self, clients: Sequence[EngineClient]) -> list[EngineClient]:
-        """Targets exactly these engines (by URL) from now on. A known healthy engine keeps its
-        group; a new one, or one that failed before and is listed again, gets a fresh link.
-        Returns the clients no longer used (the caller closes them)."""
+    def set_engines(
+        self, clients: Sequence[EngineClient], ranks: Sequence[int] | None = None
+    ) -> list[EngineClient]:
+        """Targets exactly these engines (by URL) from now on; ``ranks``: how many ranks each brings
+        to its weight group (SGLang: its TP size; default 1). A known healthy engine keeps its
+        group; a new one, one that failed before and is listed again, or one whose ranks changed,
+        gets a fresh link. Returns the clients no longer used (the caller closes them)."""
+        ranks = list(ranks) if ranks is not None else [1] * len(clients)
         by_url = {link.client.url: link for link in self.links}
         links, unused = [], []
-        for client in clients:
+        for client, n_ranks in zip(clients, ranks, strict=True):
             link = by_url.pop(client.url, None)
-            if link is not None and not link.healthy:
+            if link is not None and (not link.healthy or link.ranks != n_ranks):
                 self._drop_group(link)
                 if link.client is not client:
                     unused.append(link.client)
                 link = None
             if link is None:
-                link = EngineLink(client=client)
+                link = EngineLink(client=client, ranks=n_ranks)
             elif link.client is not client:
                 unused.append(client)
             links.append(link)
@@ -199,6 +227,12 @@ class WeightPusher:
             self.timeout_s,
         )
         try:
+            link.load_format = self.load_format
+            if self.load_format == FLATTENED_BUCKET and not await link.client.supports_flattened_bucket():
+                link.load_format = None
+                log.warning(
+                    "engine %s predates load_format=flattened_bucket: pushing it per tensor", link.name
+                )
             await link.client.init_weights_update_group(
                 self.master_address, port, 1, world, link.group_name, self.backend
             )
@@ -238,17 +272,28 @@ class WeightPusher:
         start = time.perf_counter()
         targets = [link for link in self.healthy_links if only is None or link.client.url in only]
         total = 0
-        await self._bracket(targets, True, failed)
+        # SGLang's cycle (docs/sglang.md): running requests retracted, so that none generates on
+        # half-updated weights between buckets and the flush below is allowed; the weights; the
+        # version, once all of them landed; the prefix cache, computed with the old weights; go.
+        await self._each(targets, failed, "pause_generation", lambda c: c.pause_generation())
+        await self._each(targets, failed, "begin_weight_update", lambda c: c.begin_weight_update())
         for bucket in bucketed:
             if not bucket:
                 continue
             total += sum(t.numel() * t.element_size() for _, t in bucket)
             live = [link for link in targets if link.name not in failed]
             if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
-                await self._push_bucket(live, list(bucket), str(version), failed)
+                await self._push_bucket(live, aligned(bucket), failed)
             if on_bucket is not None:
                 on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
-        await self._bracket(targets, False, failed)
+        await self._each(targets, failed, "end_weight_update", lambda c: c.end_weight_update())
+        await self._each(
+            targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version))
+        )
+        await self._each(targets, failed, "flush_cache", lambda c: c.flush_cache())
+        # An engine that failed stays paused: it may hold half-written weights (the embedded engine
+        # holds them anyway); the next push to it, a full one, lets it go on.
+        await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation())
         for link in targets:
             if link.name in failed:
                 link.healthy = False
@@ -274,11 +319,7 @@ class WeightPusher:
         return {}
 
     async def _push_bucket(
-        self,
-        live: list[EngineLink],
-        bucket: list[tuple[str, torch.Tensor]],
-        version: str,
-        failed: dict[str, str],
+        self, live: list[EngineLink], bucket: list[tuple[str, torch.Tensor]], failed: dict[str, str]
     ) -> None:
         tensors = [t.detach() for _, t in bucket]
         names = [n for n, _ in bucket]
@@ -286,57 +327,50 @@ class WeightPusher:
         shapes = [list(t.shape) for t in tensors]
         # The engine must be inside its receive before our broadcast can complete: each engine's
         # call goes out first — it gets there while we prepare the payload — then we broadcast,
-        # then take its answer.
-        calls = [
-            asyncio.create_task(
+        # then take its answer. No weight_version here: it is set once every bucket landed.
+        calls = {
+            link.name: asyncio.create_task(
                 link.client.update_weights_from_distributed(
-                    names,
-                    dtypes,
-                    shapes,
-                    link.group_name,
-                    weight_version=version,
-                    load_format=self.load_format,
+                    names, dtypes, shapes, link.group_name, None, load_format=link.load_format
                 )
             )
             for link in live
-        ]
+        }
         try:
-            errors = await asyncio.to_thread(self._send, live, tensors)
+            works, errors = await asyncio.to_thread(self._start_broadcasts, live, tensors)
         except _PayloadError as e:
             # The engines now wait for a broadcast that will not come: their groups are spent.
             self._flat = None
-            for link, call in zip(live, calls, strict=True):
-                call.cancel()
+            for link in live:
+                calls[link.name].cancel()
                 link.healthy = False
                 self._drop_group(link)
             raise (e.__cause__ or e) from None
         except BaseException:
             # Cancelled: the sending thread may still hold the buffer; don't reuse it.
             self._flat = None
-            for call in calls:
+            for call in calls.values():
                 call.cancel()
             raise
-        for link, call in zip(live, calls, strict=True):
-            error: BaseException | None = errors.get(link.name)
-            if error is None:
-                try:
-                    await call
-                except (EngineError, RuntimeError, OSError) as e:
-                    error = e
-            else:
-                call.cancel()
-            if error is not None:
-                failed[link.name] = f"{type(error).__name__}: {error}"
-                log.error("engine %s: weight push failed: %s", link.name, error)
+        await asyncio.gather(
+            *(
+                self._settle(link, calls[link.name], works.get(link.name), errors.get(link.name), failed)
+                for link in live
+            )
+        )
         if any(link.name in failed for link in live):
             self._flat = None  # a transport may still hold the buffer
 
-    def _send(self, live: list[EngineLink], tensors: list[torch.Tensor]) -> dict[str, BaseException]:
-        """Builds the payload and broadcasts it to every engine, in one worker thread: the bytes
+    def _start_broadcasts(
+        self, live: list[EngineLink], tensors: list[torch.Tensor]
+    ) -> tuple[dict[str, list[dist.Work]], dict[str, BaseException]]:
+        """Builds the payloads and starts every engine's broadcast, in one worker thread: the bytes
         start to flow as soon as they are ready, with no hop back through the event loop (at tens
-        of MB that hop costs as much as the copy). Returns the engines whose broadcast failed."""
+        of MB that hop costs as much as the copy). Every engine's group has its own gloo worker, so
+        the engines receive concurrently. Returns the pending broadcasts and those that failed to
+        start, by engine."""
         try:
-            payload = self._payload(tensors)
+            payloads = {fmt: self._payload(tensors, fmt) for fmt in {link.load_format for link in live}}
         except BaseException as e:
             raise _PayloadError() from e
         works: dict[str, list[dist.Work]] = {}
@@ -344,24 +378,48 @@ class WeightPusher:
         for link in live:
             assert link.pg is not None
             try:
-                # All queued at once (as SGLang receives them), then awaited; every engine's group
-                # has its own gloo worker, so the engines receive concurrently.
-                works[link.name] = [dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payload]
+                # All queued at once (as SGLang receives them), then awaited.
+                works[link.name] = [
+                    dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payloads[link.load_format]
+                ]
             except (RuntimeError, OSError) as e:
                 errors[link.name] = e
-        for name, pending in works.items():
-            try:
-                for work in pending:
-                    work.wait()
-            except (RuntimeError, OSError) as e:
-                errors[name] = e
-        return errors
+        return works, errors
 
-    def _payload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What to broadcast, in order, shared by every engine: one flat uint8 tensor
-        (flattened_bucket) or the tensors themselves."""
+    async def _settle(
+        self,
+        link: EngineLink,
+        call: asyncio.Task[str],
+        works: list[dist.Work] | None,
+        error: BaseException | None,
+        failed: dict[str, str],
+    ) -> None:
+        """Waits for one engine's broadcast and answer. An engine that answers with an error before
+        our broadcast to it completed refused the update (or failed receiving): its broadcast is
+        abandoned — not waited out to the group's deadline — and its group left alone."""
+        if error is None and works is not None:
+            sent = _in_daemon_thread(_wait_all, works)
+            await asyncio.wait({sent, call}, return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done() and call.exception() is not None:
+                link.busy = True
+                error = call.exception()
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # ends unawaited
+            else:
+                try:
+                    await sent
+                    await call
+                except (EngineError, RuntimeError, OSError) as e:
+                    error = e
+        if error is not None:
+            call.cancel()
+            failed[link.name] = f"{type(error).__name__}: {error}"
+            log.error("engine %s: weight push failed: %s", link.name, error)
+
+    def _payload(self, tensors: list[torch.Tensor], load_format: str | None) -> list[torch.Tensor]:
+        """What to broadcast, in order, shared by every engine of ``load_format``: one flat uint8
+        tensor (flattened_bucket) or the tensors themselves."""
         device = "cpu" if self.backend == "gloo" else None
-        if self.load_format == FLATTENED_BUCKET:
+        if load_format == FLATTENED_BUCKET:
             packed = packed_bytes(tensors, device)
             if packed is not None:
                 return [packed]  # already laid out as the bucket: no copy
@@ -375,21 +433,31 @@ class WeightPusher:
         # .contiguous() and .to() return the tensor itself when it already is: no copy then.
         return [t.contiguous() if device is None else t.contiguous().to(device) for t in tensors]
 
-    async def _bracket(self, links: list[EngineLink], begin: bool, failed: dict[str, str]) -> None:
-        """SGLang 0.5.21+ wants a push wrapped in /begin_weight_update ... /end_weight_update."""
+    async def _each(
+        self,
+        links: list[EngineLink],
+        failed: dict[str, str],
+        what: str,
+        call: Callable[[EngineClient], Awaitable[object]],
+    ) -> None:
+        """``call`` on every engine not failed yet, concurrently; an engine whose call fails fails."""
 
         async def one(link: EngineLink) -> None:
             try:
-                await (link.client.begin_weight_update() if begin else link.client.end_weight_update())
-            except EngineError as e:
-                failed[link.name] = str(e)
+                await call(link.client)
+            except (EngineError, OSError) as e:
+                failed[link.name] = f"{what}: {e}"
+                log.error("engine %s: %s failed: %s", link.name, what, e)
 
         await asyncio.gather(*(one(link) for link in links if link.name not in failed))
 
     def _drop_group(self, link: EngineLink) -> None:
-        if link.pg is not None:
+        if link.pg is not None and link.busy:
+            # Destroying a group under a pending collective can abort the process: let it time out.
+            log.warning("engine %s: weight group %s left to its deadline", link.name, link.group_name)
+        elif link.pg is not None:
             destroy_process_group(link.pg)
-            link.pg = None
+        link.pg = None
 
     async def verify(self, sample: dict[str, torch.Tensor], truncate_size: int = 100) -> dict[str, list[str]]:
         """Compares a sample of tensors with what each healthy engine holds (``/get_weights_by_name``).

@@ -127,6 +127,38 @@ def test_a_trainer_whose_weights_lie_packed_pushes_them_without_a_copy(
     launcher.stop(engine.process)
 
 
+def test_an_engine_that_refuses_an_update_before_receiving_is_given_up_at_once(
+    launcher, tiny_model_dir, models
+):
+    """The engine answers an update it cannot take (here: a group it does not know) without ever
+    receiving, while our broadcast of more bytes than the sockets buffer waits for it: the push
+    must fail with the engine's reason now, not with the group's deadline much later. Its next
+    push, on a fresh group, lands."""
+    _, target = models
+    engine = launcher.start_engine(tiny_model_dir, name="refuser")
+
+    async def scenario():
+        client = EngineClient(engine.url, name="refuser", timeout_s=120)
+        pusher = WeightPusher([client], backend="gloo", timeout_s=600)
+        try:
+            await pusher.connect()
+            pusher.links[0].group_name = "not-a-group"  # the trainer's group stays up, unused
+            with pytest.raises(WeightPushError) as refused:
+                await pusher.push([("big", torch.ones(8 << 20))], version=1)  # 32 MB
+            pusher.set_engines([client])  # as the learner does before every push
+            report = await pusher.push(target.state_dict().items(), version=2)
+            return refused.value, report
+        finally:
+            await pusher.close()
+            await client.aclose()
+
+    refused, report = asyncio.run(scenario())
+    assert "no weight update group 'not-a-group'" in refused.failed["refuser"]
+    assert not report.failed and report.engines == ["refuser"]
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
+    launcher.stop(engine.process)
+
+
 def test_an_unknown_load_format_is_refused_at_once_naming_it(launcher, tiny_model_dir):
     engine = launcher.start_engine(tiny_model_dir, name="bad-format")
     body = {

@@ -1,7 +1,10 @@
-"""Which engine clients the pusher keeps and which it hands back to be closed."""
+"""Which engine clients the pusher keeps and which it hands back to be closed; bucket order."""
+
+import torch
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.weights.push import WeightPusher
+from rlmesh.weights.bucket import layout
+from rlmesh.weights.push import WeightPusher, aligned
 
 
 def test_a_failed_engine_listed_again_with_the_same_client_keeps_it_open():
@@ -28,3 +31,29 @@ def test_clients_of_engines_gone_or_replaced_are_handed_back():
 
 def test_group_names_differ_between_pushers():
     assert WeightPusher([]).group_prefix != WeightPusher([]).group_prefix
+
+
+def test_an_engine_whose_rank_count_changed_gets_a_fresh_link():
+    a, b = EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")
+    pusher = WeightPusher([a, b])
+    kept = pusher.links[1]
+    assert pusher.set_engines([a, b], ranks=[2, 1]) == []
+    assert [link.ranks for link in pusher.links] == [2, 1]
+    assert pusher.links[1] is kept  # same ranks: same link and group
+    assert pusher.set_engines([a, b]) == [] and [link.ranks for link in pusher.links] == [1, 1]
+
+
+def test_buckets_are_ordered_so_that_every_tensor_is_aligned_once_flattened():
+    bucket = [
+        ("a", torch.zeros(3, dtype=torch.bfloat16)),  # 6 bytes: a float32 after it would sit at 6
+        ("b", torch.zeros(2)),
+        ("c", torch.zeros(1, dtype=torch.int64)),
+        ("d", torch.zeros(5, dtype=torch.bool)),
+        ("e", torch.zeros(1)),
+    ]
+    ordered = aligned(bucket)
+    assert [n for n, _ in ordered] == ["c", "b", "e", "a", "d"]  # by element size, else in order
+    offsets, _ = layout([t.dtype for _, t in ordered], [t.shape for _, t in ordered])
+    assert all(o % t.element_size() == 0 for o, (_, t) in zip(offsets, ordered, strict=True))
+    same = [(f"w{i}", torch.zeros(i + 1)) for i in range(4)]
+    assert aligned(same) == same  # one dtype: the order the engine's packed layout expects
