@@ -74,6 +74,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
         mem_fraction_static=rollout_cfg.gpu_memory_utilization,
         dtype=rollout_cfg.dtype,
         extra_args=rollout_cfg.sglang.extra_args,
+        skip_tokenizer_init=rollout_cfg.skip_tokenizer_init,
     )
     reward = RewardClient.from_config(cfg, redis=redis)
     reference = ReferenceClient.from_config(cfg) if cfg.uses_reference() else None

@@ -233,7 +233,11 @@ class RolloutConfig(Section):
     trace: Any = compat({})
     skip_rollout: Any = compat(False)
     skip_dump_dir: Any = compat("/tmp/rollout_dump")
-    skip_tokenizer_init: Any = compat(True)
+    skip_tokenizer_init: bool = Field(
+        True,
+        description="sglang: start the server without a tokenizer (token ids in and out; it then refuses "
+        "stop strings and min_new_tokens); replicas decode the response text themselves",
+    )
     enable_rollout_routing_replay: Any = compat(False)
     profiler: Any = compat({})
     prometheus: Any = compat({})

@@ -312,7 +312,7 @@ class SamplerLoop:
                 finish_reason=str(meta["finish_reason"].get("type", "")),
                 policy_version=version,
                 replica_id=self.settings.replica_id,
-                response_text=o.get("text", ""),
+                response_text=o.get("text") or (self.decode(o["output_ids"]) if self.decode else ""),
                 ground_truth=task.ground_truth,
                 data_source=task.data_source,
                 step=task.step,
