@@ -190,19 +190,15 @@ class DeepSpeedPPOActor:
         lr = self.scheduler.get_last_lr()[0]
         sums = MetricSums()
         stats = update_epochs(
-            self.engine,
+            self,
             "actor",
-            cfg,
             len(batch),
             mini_size,
-            self.seed,
             step,
-            self.skipped_steps,
             lambda rows: self.mini_batch_backward(
                 batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums
             ),
         )
-        self.skipped_steps += stats.skipped
         step_scheduler(self.scheduler)  # once per PPO step, as verl's update_actor
         totals = sums.reduced()
         tokens = max(totals.pop("_tokens", 0.0), 1.0)

@@ -118,17 +118,13 @@ class DeepSpeedPPOCritic:
         lr = self.scheduler.get_last_lr()[0]
         sums = MetricSums()
         stats = update_epochs(
-            self.engine,
+            self,
             "critic",
-            cfg,
             len(batch),
             mini_size,
-            self.seed,
             step,
-            self.skipped_steps,
             lambda rows: self.mini_batch_backward(batch, rows, values, returns, sums),
         )
-        self.skipped_steps += stats.skipped
         step_scheduler(self.scheduler)
         totals = sums.reduced()
         tokens = max(totals.pop("_tokens", 0.0), 1.0)

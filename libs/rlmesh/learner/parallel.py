@@ -10,7 +10,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,7 @@ from rlmesh.learner.partition import mini_batches, plan_micro_batches
 
 __all__ = [
     "MetricSums",
+    "PPORole",
     "TrainMicroBatch",
     "UpdateStats",
     "epoch_order",
@@ -236,30 +237,39 @@ class UpdateStats:
         return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
 
 
+class PPORole(Protocol):
+    """The actor or the critic, as ``update_epochs`` uses it."""
+
+    engine: Any
+    config: Any  # its config section: ppo_epochs, shuffle
+    seed: int
+    skipped_steps: int  # optimizer steps skipped so far in the run
+
+
 def update_epochs(
-    engine: Any,
-    role: str,
-    config: Any,
+    role: PPORole,
+    name: str,
     batch_size: int,
     mini_size: int,
-    seed: int,
     step: int,
-    skipped_before: int,
     mini_batch_backward: Callable[[list[int]], bool],
 ) -> UpdateStats:
     """verl's update loop: ``ppo_epochs`` passes over the batch in mini-batches of ``mini_size``
     (shuffled per epoch when ``shuffle``), one optimizer step after each mini-batch's backward
-    (``mini_batch_backward(rows)``, True when a loss was not finite). A skipped step is logged
-    with the role's running count (``skipped_before`` plus this update's)."""
+    (``mini_batch_backward(rows)``, True when a loss was not finite). A skipped step is counted
+    in ``role.skipped_steps`` at once and logged under ``name``."""
     stats = UpdateStats()
+    config = role.config
     for epoch in range(int(config.ppo_epochs)):
-        for rows in mini_batches(epoch_order(batch_size, seed, step, epoch, bool(config.shuffle)), mini_size):
+        order = epoch_order(batch_size, role.seed, step, epoch, bool(config.shuffle))
+        for rows in mini_batches(order, mini_size):
             nonfinite = mini_batch_backward(rows)
-            grad_norm, applied = optimizer_step(engine)
+            grad_norm, applied = optimizer_step(role.engine)
             stats.steps += 1
             if applied:
                 stats.grad_norms.append(grad_norm)
             else:
                 stats.skipped += 1
-                log_skipped_step(role, nonfinite, grad_norm, step, skipped_before + stats.skipped)
+                role.skipped_steps += 1
+                log_skipped_step(name, nonfinite, grad_norm, step, role.skipped_steps)
     return stats
