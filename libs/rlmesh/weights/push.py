@@ -287,10 +287,13 @@ class WeightPusher:
             if on_bucket is not None:
                 on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
         await self._each(targets, failed, "end_weight_update", lambda c: c.end_weight_update())
-        await self._each(
-            targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version))
+        # The version and the flush are independent of each other; both must precede continue.
+        await asyncio.gather(
+            self._each(
+                targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version))
+            ),
+            self._each(targets, failed, "flush_cache", lambda c: c.flush_cache()),
         )
-        await self._each(targets, failed, "flush_cache", lambda c: c.flush_cache())
         # An engine that failed stays paused: it may hold half-written weights (the embedded engine
         # holds them anyway); the next push to it, a full one, lets it go on.
         await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation())
