@@ -272,8 +272,11 @@ class EngineClient:
             body["load_format"] = load_format
         return await self._ack("/update_weights_from_distributed", body)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> str:
-        body: dict[str, Any] = {"model_path": model_path, "flush_cache": True}
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None, flush_cache: bool = True
+    ) -> str:
+        """``flush_cache``: SGLang 0.5.22+ fails it while requests run or wait, unless paused."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return await self._ack("/update_weights_from_disk", body)

@@ -381,21 +381,13 @@ class TrainingLoop:
         version = self.state.version
         if self.cfg.rlmesh.weight_sync.transport == "disk":
             path = await asyncio.to_thread(self._export_snapshot, version)
-            clients = [
-                link.client for link in self.pusher.healthy_links if only is None or link.client.url in only
-            ]
-            results = await asyncio.gather(
-                *(c.update_weights_from_disk(path, str(version)) for c in clients), return_exceptions=True
-            )
-            for c, r in zip(clients, results, strict=True):
-                if isinstance(r, BaseException):
-                    log.error("replica %s failed to load %s: %s", c.name, path, r)
-            await publish_policy(self._redis, self.keys, version, path)
+            report = await self.pusher.load_from_disk(path, version, only=only)
         else:
+            path = None
             report = await self.pusher.push_buckets(self._weight_buckets(), version, only=only)
-            for name, why in report.failed.items():
-                log.error("replica %s dropped from this push: %s", name, why)
-            await publish_policy(self._redis, self.keys, version)
+        for name, why in report.failed.items():
+            log.error("replica %s dropped from this push: %s", name, why)
+        await publish_policy(self._redis, self.keys, version, path)
         return time.monotonic() - t0
 
     def _export_snapshot(self, version: int) -> str:

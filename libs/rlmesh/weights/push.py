@@ -270,22 +270,60 @@ class WeightPusher:
         bucket by bucket)."""
         failed = await self.connect_or_mark(only)
         start = time.perf_counter()
-        targets = [link for link in self.healthy_links if only is None or link.client.url in only]
-        total = 0
-        # SGLang's cycle (docs/sglang.md): running requests retracted, so that none generates on
-        # half-updated weights between buckets and the flush below is allowed; the weights; the
-        # version, once all of them landed; the prefix cache, computed with the old weights; go.
+        targets = self._targets(only)
+        sent = [0]
+
+        async def send_buckets() -> None:
+            for bucket in bucketed:
+                if not bucket:
+                    continue
+                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                live = [link for link in targets if link.name not in failed]
+                if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
+                    await self._push_bucket(live, aligned(bucket), failed)
+                if on_bucket is not None:
+                    on_bucket(len(bucket), sent[0])  # progress: tensors in this bucket, bytes sent so far
+
+        await self._update_cycle(targets, failed, version, send_buckets)
+        return self._report(targets, failed, version, start, sent[0])
+
+    async def load_from_disk(self, path: str, version: str | int, only: set[str] | None = None) -> PushReport:
+        """Every healthy engine (or those whose URL is in ``only``) loads the weights saved at
+        ``path`` (an HF directory on storage they share), in the same cycle as a push. Engines that
+        fail are marked unhealthy and listed; ``WeightPushError`` only if none loaded them."""
+        failed: dict[str, str] = {}
+        start = time.perf_counter()
+        targets = self._targets(only)
+
+        async def load() -> None:
+            await self._each(
+                targets,
+                failed,
+                "update_weights_from_disk",
+                lambda c: c.update_weights_from_disk(path, str(version), flush_cache=False),
+            )
+
+        await self._update_cycle(targets, failed, version, load)
+        return self._report(targets, failed, version, start, 0)
+
+    def _targets(self, only: set[str] | None) -> list[EngineLink]:
+        return [link for link in self.healthy_links if only is None or link.client.url in only]
+
+    async def _update_cycle(
+        self,
+        targets: list[EngineLink],
+        failed: dict[str, str],
+        version: str | int,
+        update: Callable[[], Awaitable[None]],
+    ) -> None:
+        """SGLang's cycle around ``update`` (docs/sglang.md): running requests retracted, so that
+        none generates on half-updated weights and the flush is allowed; the update; the version,
+        once all of it landed; the prefix cache, computed with the old weights, dropped; go on. An
+        engine that failed stays paused: it may hold half-written weights (the embedded engine holds
+        them anyway); the next update to it, a full one, lets it go on."""
         await self._each(targets, failed, "pause_generation", lambda c: c.pause_generation())
         await self._each(targets, failed, "begin_weight_update", lambda c: c.begin_weight_update())
-        for bucket in bucketed:
-            if not bucket:
-                continue
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-            live = [link for link in targets if link.name not in failed]
-            if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
-                await self._push_bucket(live, aligned(bucket), failed)
-            if on_bucket is not None:
-                on_bucket(len(bucket), total)  # progress: tensors in this bucket, bytes sent so far
+        await update()
         await self._each(targets, failed, "end_weight_update", lambda c: c.end_weight_update())
         # The version and the flush are independent of each other; both must precede continue.
         await asyncio.gather(
@@ -294,9 +332,11 @@ class WeightPusher:
             ),
             self._each(targets, failed, "flush_cache", lambda c: c.flush_cache()),
         )
-        # An engine that failed stays paused: it may hold half-written weights (the embedded engine
-        # holds them anyway); the next push to it, a full one, lets it go on.
         await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation())
+
+    def _report(
+        self, targets: list[EngineLink], failed: dict[str, str], version: str | int, start: float, sent: int
+    ) -> PushReport:
         for link in targets:
             if link.name in failed:
                 link.healthy = False
@@ -304,7 +344,7 @@ class WeightPusher:
         report = PushReport(
             version=str(version),
             seconds=time.perf_counter() - start,
-            bytes_per_engine=total,
+            bytes_per_engine=sent,
             engines=[link.name for link in targets if link.name not in failed],
             failed=failed,
         )

@@ -181,21 +181,32 @@ def test_an_unknown_load_format_is_refused_at_once_naming_it(launcher, tiny_mode
 def test_disk_reload_makes_the_engine_produce_the_new_models_greedy_output(
     launcher, tiny_model_dir, other_model_dir, models
 ):
+    """rlmesh.weight_sync.transport=disk: the learner's path, WeightPusher.load_from_disk."""
     _, target = models
     engine = launcher.start_engine(tiny_model_dir, name="disk")
+    expected = greedy_reference(target, PROMPTS)
 
-    async def reload():
-        client = EngineClient(engine.url)
+    async def load(path, version):
+        client = EngineClient(engine.url, name="disk")
+        pusher = WeightPusher([client])
         try:
-            await client.update_weights_from_disk(str(other_model_dir), weight_version="9")
+            return await pusher.load_from_disk(path, version)
         finally:
+            await pusher.close()
             await client.aclose()
 
-    asyncio.run(reload())
-    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
-    bad = httpx.post(engine.url + "/update_weights_from_disk", json={"model_path": "/nonexistent"}).json()
-    assert bad["success"] is False and "no safetensors file at /nonexistent" in bad["message"]
-    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)  # a failed reload changes nothing
+    report = asyncio.run(load(str(other_model_dir), 9))
+    assert not report.failed and report.engines == ["disk"]
+    assert engine_greedy(engine.url) == expected
+    assert httpx.get(engine.url + "/get_model_info").json()["weight_version"] == "9"
+    with pytest.raises(
+        WeightPushError, match=r"disk: update_weights_from_disk: .*no safetensors file at /nonexistent"
+    ):
+        asyncio.run(load("/nonexistent", 10))
+    # The engine that failed stays paused until an update to it succeeds; that one changes nothing
+    # here, so its answers are the same: a failed load changed nothing.
+    assert not asyncio.run(load(str(other_model_dir), 11)).failed
+    assert engine_greedy(engine.url) == expected
     launcher.stop(engine.process)
 
 
