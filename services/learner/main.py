@@ -85,6 +85,7 @@ def follower_main(argv: Sequence[str] | None) -> int:
     Exits 0 when rank 0 ended its run normally, 1 when rank 0 failed or died, or a collective
     failed here (rank 0 then sees this process exit and fails too).
     """
+    from rlmesh.learner.dist import shutdown_distributed
     from rlmesh.training.loop import RankZeroLost, TrainingLoop, follow
 
     limit_torch_threads()
@@ -118,14 +119,18 @@ def follower_main(argv: Sequence[str] | None) -> int:
         failure = follow(loop.trainer, loop.followers)
     except RankZeroLost as e:
         log.error("rank %s: rank 0 is gone, stopping: %s", rank, e)
-        return 1
+        # Not a normal exit: tearing down groups whose peer is gone can hang or abort.
+        logging.shutdown()
+        os._exit(1)
     except Exception:
         log.exception("rank %s failed", rank)
         return 1
     if failure:
         log.error("rank %s: rank 0's run failed (%s), stopping", rank, failure)
+        shutdown_distributed()
         return 1
     log.info("rank %s: rank 0 ended the run", rank)
+    shutdown_distributed()
     return 0
 
 
@@ -191,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     children = start_local_ranks(argv) if "RANK" not in os.environ else []
     code = service_main("learner", build, argv, description=__doc__.splitlines()[0])
     _RUN_ENDED.set()  # also when the run never began
+    from rlmesh.learner.dist import shutdown_distributed
+
+    shutdown_distributed()
     return join_local_ranks(children, code)
 
 

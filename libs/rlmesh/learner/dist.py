@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from rlmesh.runtime.launcher import free_port
 
-__all__ = ["all_reduce_sum", "barrier", "broadcast_object", "init_distributed", "rank", "world_size"]
+__all__ = [
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "init_distributed",
+    "rank",
+    "shutdown_distributed",
+    "world_size",
+]
 
 log = logging.getLogger("rlmesh.learner")
 
@@ -58,6 +66,14 @@ def init_distributed(backend: str | None = None) -> None:
     # With a group in place DeepSpeed only registers it with deepspeed.comm.
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else backend)
     log.info("learner rank %d of %d in the process group (%s)", rank(), world_size(), dist.get_backend())
+
+
+def shutdown_distributed() -> None:
+    """Destroys every process group before the process exits. Left to the interpreter's exit,
+    gloo's worker threads can be torn down mid-flight and abort the process ("terminate called
+    without an active exception", exit -6) after an otherwise clean run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank() -> int:

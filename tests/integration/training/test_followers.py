@@ -67,6 +67,7 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
             followers.announce(("save", "/ckpt/step-1", "global_step_1"))
             followers.done()
         followers.finish("boom" if scenario == "boom" else "")
+        dist.destroy_process_group()  # as the learner does: gloo's threads must not outlive the exit
         return 0
     trainer = FakeTrainer()
     try:
@@ -75,6 +76,7 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
         (out_dir / "rank1.json").write_text(json.dumps({"lost": str(e), "calls": trainer.calls}))
         return RANK1_EXIT_LOST
     (out_dir / "rank1.json").write_text(json.dumps({"failure": failure, "calls": trainer.calls}))
+    dist.destroy_process_group()
     return 0
 
 
