@@ -121,7 +121,10 @@ class WeightSyncConfig(Section):
     )
     timeout_s: float = Field(300.0, gt=0, description="deadline of one weight push, seconds")
     verify_tensors: int = Field(
-        4, ge=0, description="tensors checksummed on each engine after a push; 0 = none"
+        4,
+        ge=0,
+        description="pushed tensors compared with each engine's copy after a push (their first rows); "
+        "an engine that differs is dropped and pushed to afresh; 0 = none",
     )
     disk_dir: str | None = Field(None, description="shared directory for transport=disk")
 

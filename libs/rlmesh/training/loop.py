@@ -291,6 +291,7 @@ class TrainingLoop:
             timeout_s=ws.timeout_s,
             bucket_bytes=ws.bucket_size_mb << 20,
             load_format=None if ws.load_format == "per_tensor" else ws.load_format,
+            verify_tensors=ws.verify_tensors,
         )
         self.reward = RewardClient.from_config(cfg, redis=redis)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -68,6 +68,8 @@ class EngineLink:
     healthy: bool = True
     # What this engine is sent: the pusher's load_format, or per tensor for a server too old for it.
     load_format: str | None = None
+    # False once the engine said it cannot answer /get_weights_by_name (SGLang's Qwen2 cannot).
+    verifiable: bool = True
     # A broadcast on its group may still be pending (abandoned when the engine refused the update
     # before receiving): the group must not be destroyed under it.
     busy: bool = False
@@ -86,11 +88,6 @@ class PushReport:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def tensor_checksum(t: torch.Tensor) -> str:
-    """A stable checksum of a tensor's values as float32 (engines may hold another dtype)."""
-    return hashlib.sha256(t.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
 def buckets(named: NamedTensors, bucket_bytes: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -102,6 +99,43 @@ def buckets(named: NamedTensors, bucket_bytes: int) -> Iterable[list[tuple[str, 
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+# How a server says it has no /get_weights_by_name for its model (SGLang's Qwen2: the model class
+# lacks the method); any other refusal of a name we pushed is a mismatch.
+_UNSUPPORTED = re.compile(r"attribute|not (implemented|supported)", re.IGNORECASE)
+
+# Rows of each checked tensor fetched from an engine: enough to catch a stale or misplaced tensor,
+# few enough to keep the JSON small (8 rows of a 4096-wide matrix: 32k numbers).
+VERIFY_ROWS = 8
+
+
+class VerifySample:
+    """Picks ``count`` tensors of a push, spread over it by the tensor count of the last push (the
+    first ``count`` on a first push), and keeps their first ``VERIFY_ROWS`` rows as float32."""
+
+    def __init__(self, count: int, tensors_last_push: int) -> None:
+        self.count = count
+        self.stride = max(1, tensors_last_push // count) if count else 0
+        self.seen = 0
+        self.rows: dict[str, torch.Tensor] = {}
+
+    def offer(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, t in bucket:
+            if self.count and len(self.rows) < self.count and self.seen % self.stride == 0:
+                self.rows[name] = t.detach()[:VERIFY_ROWS].to(torch.float32).cpu().clone()
+            self.seen += 1
+
+
+def same_values(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether an engine's copy equals ours: exactly, or rounded to the half-precision dtype the
+    engine may hold (SGLang loads fp32 pushes into bf16 or fp16 parameters)."""
+    if ours.shape != theirs.shape:
+        return False
+    return any(
+        torch.equal(ours.to(dtype).to(torch.float32), theirs)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 def aligned(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -154,7 +188,11 @@ class WeightPusher:
         bucket_bytes: int = 256 << 20,
         group_prefix: str | None = None,
         load_format: str | None = FLATTENED_BUCKET,
+        verify_tensors: int = 0,
     ) -> None:
+        """``verify_tensors``: after each push, that many of the pushed tensors (spread over the
+        model) are compared with what every engine holds (``/get_weights_by_name``, their first
+        ``VERIFY_ROWS`` rows); an engine that differs counts as failed. 0: no check."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
         self.load_format = load_format
@@ -167,6 +205,8 @@ class WeightPusher:
         # Unique per pusher: a restarted trainer must not meet its predecessor's group names.
         self.group_prefix = group_prefix or f"rlmesh_weights_{uuid.uuid4().hex[:8]}"
         self._generation = 0
+        self.verify_tensors = verify_tensors
+        self._tensors_last_push = 0  # spreads the checked tensors over the model
 
     def set_engines(
         self, clients: Sequence[EngineClient], ranks: Sequence[int] | None = None
@@ -272,11 +312,13 @@ class WeightPusher:
         start = time.perf_counter()
         targets = self._targets(only)
         sent = [0]
+        sample = VerifySample(self.verify_tensors, self._tensors_last_push)
 
         async def send_buckets() -> None:
             for bucket in bucketed:
                 if not bucket:
                     continue
+                sample.offer(bucket)  # while the bucket's tensors are valid
                 sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
                 live = [link for link in targets if link.name not in failed]
                 if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
@@ -285,6 +327,8 @@ class WeightPusher:
                     on_bucket(len(bucket), sent[0])  # progress: tensors in this bucket, bytes sent so far
 
         await self._update_cycle(targets, failed, version, send_buckets)
+        self._tensors_last_push = sample.seen
+        await self._check(targets, failed, sample.rows)
         return self._report(targets, failed, version, start, sent[0])
 
     async def load_from_disk(self, path: str, version: str | int, only: set[str] | None = None) -> PushReport:
@@ -333,6 +377,43 @@ class WeightPusher:
             self._each(targets, failed, "flush_cache", lambda c: c.flush_cache()),
         )
         await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation())
+
+    async def _check(
+        self, targets: list[EngineLink], failed: dict[str, str], rows: dict[str, torch.Tensor]
+    ) -> None:
+        """Compares the sampled rows with each engine's; an engine that differs fails."""
+
+        async def one(link: EngineLink) -> None:
+            differ = []
+            for name, ours in rows.items():
+                try:
+                    theirs = await link.client.get_weights_by_name(name, VERIFY_ROWS)
+                except EngineError as e:
+                    if e.status == 404 or (e.status == 400 and _UNSUPPORTED.search(str(e))):
+                        link.verifiable = False
+                        log.warning(
+                            "engine %s cannot answer /get_weights_by_name; pushes to it are not checked: %s",
+                            link.name,
+                            e,
+                        )
+                        return
+                    raise
+                if not same_values(ours, torch.tensor(theirs, dtype=torch.float32)):
+                    differ.append(name)
+            if differ:
+                failed[link.name] = f"after the push it holds other values for {', '.join(differ)}"
+                log.error("engine %s: weights differ from the pushed ones: %s", link.name, differ)
+
+        async def guarded(link: EngineLink) -> None:
+            try:
+                await one(link)
+            except (EngineError, OSError) as e:
+                failed[link.name] = f"checking the pushed weights: {e}"
+
+        if rows:
+            await asyncio.gather(
+                *(guarded(link) for link in targets if link.name not in failed and link.verifiable)
+            )
 
     def _report(
         self, targets: list[EngineLink], failed: dict[str, str], version: str | int, start: float, sent: int
@@ -511,7 +592,7 @@ class WeightPusher:
             for name, t in sample.items():
                 theirs = torch.tensor(await link.client.get_weights_by_name(name, truncate_size))
                 ours = t.detach()[:truncate_size].to(torch.float32).cpu()
-                if theirs.shape != ours.shape or tensor_checksum(theirs) != tensor_checksum(ours):
+                if not same_values(ours, theirs.to(torch.float32)):
                     bad.append(name)
             mismatches[link.name] = bad
         return mismatches

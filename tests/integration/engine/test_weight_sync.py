@@ -64,7 +64,12 @@ def test_push_over_gloo_makes_two_engines_produce_the_new_models_greedy_output(
     async def push():
         clients = [EngineClient(e.url, timeout_s=120) for e in engines]
         pusher = WeightPusher(
-            clients, backend="gloo", timeout_s=60, bucket_bytes=64 << 10, load_format=load_format
+            clients,
+            backend="gloo",
+            timeout_s=60,
+            bucket_bytes=64 << 10,
+            load_format=load_format,
+            verify_tensors=4,  # checked against each engine after the push: must all agree
         )
         try:
             report = await pusher.push(target.state_dict().items(), version=3)
@@ -124,6 +129,39 @@ def test_a_trainer_whose_weights_lie_packed_pushes_them_without_a_copy(
     report = asyncio.run(push())
     assert not report.failed and report.engines == [engine.url]
     assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
+    launcher.stop(engine.process)
+
+
+def test_an_engine_holding_other_values_after_a_push_is_dropped(
+    launcher, tiny_model_dir, models, monkeypatch
+):
+    """The check after a push compares our rows with the engine's own answer; here our record of
+    what was sent is made wrong, so the real engine's (correct) values differ from it."""
+    _, target = models
+    engine = launcher.start_engine(tiny_model_dir, name="checked")
+    offer = push_module.VerifySample.offer
+
+    def misrecord(self, bucket):
+        offer(self, bucket)
+        self.rows = {name: rows + 1.0 for name, rows in self.rows.items()}
+
+    monkeypatch.setattr(push_module.VerifySample, "offer", misrecord)
+
+    async def scenario():
+        client = EngineClient(engine.url, name="checked", timeout_s=120)
+        pusher = WeightPusher([client], backend="gloo", timeout_s=60, verify_tensors=2)
+        try:
+            with pytest.raises(WeightPushError) as dropped:
+                await pusher.push(target.state_dict().items(), version=1)
+            return dropped.value, [link.healthy for link in pusher.links]
+        finally:
+            await pusher.close()
+            await client.aclose()
+
+    dropped, healthy = asyncio.run(scenario())
+    assert "after the push it holds other values for model.embed_tokens.weight" in dropped.failed["checked"]
+    assert healthy == [False]  # the learner's next push relinks it and pushes afresh
+    assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)  # it did get the weights
     launcher.stop(engine.process)
 
 

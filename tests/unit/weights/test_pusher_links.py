@@ -4,7 +4,7 @@ import torch
 
 from rlmesh.engine.client import EngineClient
 from rlmesh.weights.bucket import layout
-from rlmesh.weights.push import WeightPusher, aligned
+from rlmesh.weights.push import VERIFY_ROWS, VerifySample, WeightPusher, aligned, same_values
 
 
 def test_a_failed_engine_listed_again_with_the_same_client_keeps_it_open():
@@ -57,3 +57,23 @@ def test_buckets_are_ordered_so_that_every_tensor_is_aligned_once_flattened():
     assert all(o % t.element_size() == 0 for o, (_, t) in zip(offsets, ordered, strict=True))
     same = [(f"w{i}", torch.zeros(i + 1)) for i in range(4)]
     assert aligned(same) == same  # one dtype: the order the engine's packed layout expects
+
+
+def test_checked_tensors_are_spread_over_the_push_and_compared_at_the_engines_precision():
+    named = [(f"t{i}", torch.full((10, 3), float(i))) for i in range(12)]
+    first = VerifySample(4, tensors_last_push=0)  # first push: the first ones
+    first.offer(named[:5])
+    first.offer(named[5:])
+    assert list(first.rows) == ["t0", "t1", "t2", "t3"] and first.seen == 12
+    spread = VerifySample(4, tensors_last_push=first.seen)
+    spread.offer(named)
+    assert list(spread.rows) == ["t0", "t3", "t6", "t9"]
+    assert spread.rows["t3"].shape == (VERIFY_ROWS, 3)
+    assert VerifySample(0, 12).rows == {}
+
+    ours = torch.tensor([1.0, 1 / 3, 2.0 + 2**-10])
+    assert same_values(ours, ours.clone())
+    assert same_values(ours, ours.to(torch.bfloat16).float())  # an engine holding bf16
+    assert same_values(ours, ours.to(torch.float16).float())
+    assert not same_values(ours, ours + 1e-3)
+    assert not same_values(ours, ours[:2])
