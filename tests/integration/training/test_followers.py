@@ -12,6 +12,7 @@ not training) and writes what it saw to ``OUT_DIR/rank1.json``."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
         failure = follow(trainer, followers)
     except RankZeroLost as e:
         (out_dir / "rank1.json").write_text(json.dumps({"lost": str(e), "calls": trainer.calls}))
-        return RANK1_EXIT_LOST
+        # As the learner's follower does: groups whose peer is gone can abort the interpreter's exit.
+        os._exit(RANK1_EXIT_LOST)
     (out_dir / "rank1.json").write_text(json.dumps({"failure": failure, "calls": trainer.calls}))
     dist.destroy_process_group()
     return 0
