@@ -125,12 +125,11 @@ def follower_main(argv: Sequence[str] | None) -> int:
     except Exception:
         log.exception("rank %s failed", rank)
         return 1
+    shutdown_distributed()
     if failure:
         log.error("rank %s: rank 0's run failed (%s), stopping", rank, failure)
-        shutdown_distributed()
         return 1
     log.info("rank %s: rank 0 ended the run", rank)
-    shutdown_distributed()
     return 0
 
 

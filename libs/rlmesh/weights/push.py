@@ -123,8 +123,24 @@ class VerifySample:
     def offer(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, t in bucket:
             if self.count and len(self.rows) < self.count and self.seen % self.stride == 0:
-                self.rows[name] = t.detach()[:VERIFY_ROWS].to(torch.float32).cpu().clone()
+                self.rows[name] = first_rows(t, VERIFY_ROWS).clone()  # the bucket's storage may go
             self.seen += 1
+
+
+def first_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """What ``/get_weights_by_name`` answers with ``truncate_size=rows``, as float32 on the CPU."""
+    return t.detach()[:rows].to(torch.float32).cpu()
+
+
+async def differing(client: EngineClient, rows: dict[str, torch.Tensor], truncate_size: int) -> list[str]:
+    """The names among ``rows`` (each tensor's ``first_rows``) whose values the engine holds
+    otherwise (``same_values``)."""
+    differ = []
+    for name, ours in rows.items():
+        theirs = torch.tensor(await client.get_weights_by_name(name, truncate_size), dtype=torch.float32)
+        if not same_values(ours, theirs):
+            differ.append(name)
+    return differ
 
 
 def same_values(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
@@ -151,8 +167,8 @@ def _wait_all(works: Sequence[dist.Work]) -> None:
 
 
 def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-    """Runs a blocking call in a daemon thread. A rendezvous whose engine never came waits out its
-    deadline and cannot be cancelled; in asyncio's executor it would hold up the process's exit
+    """Runs a blocking call in a daemon thread. A rendezvous whose engine never came, or a broadcast
+    abandoned to an engine that refused it, waits out its deadline and cannot be cancelled; in asyncio's executor it would hold up the process's exit
     (those threads are joined), so a learner told to stop would hang for the deadline."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -173,7 +189,7 @@ def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name="weight-group-rendezvous", daemon=True).start()
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
     return future
 
 
@@ -311,25 +327,26 @@ class WeightPusher:
         failed = await self.connect_or_mark(only)
         start = time.perf_counter()
         targets = self._targets(only)
-        sent = [0]
+        sent = 0
         sample = VerifySample(self.verify_tensors, self._tensors_last_push)
 
         async def send_buckets() -> None:
+            nonlocal sent
             for bucket in bucketed:
                 if not bucket:
                     continue
                 sample.offer(bucket)  # while the bucket's tensors are valid
-                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 live = [link for link in targets if link.name not in failed]
                 if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
                     await self._push_bucket(live, aligned(bucket), failed)
                 if on_bucket is not None:
-                    on_bucket(len(bucket), sent[0])  # progress: tensors in this bucket, bytes sent so far
+                    on_bucket(len(bucket), sent)  # progress: tensors in this bucket, bytes sent so far
 
         await self._update_cycle(targets, failed, version, send_buckets)
         self._tensors_last_push = sample.seen
         await self._check(targets, failed, sample.rows)
-        return self._report(targets, failed, version, start, sent[0])
+        return self._report(targets, failed, version, start, sent)
 
     async def load_from_disk(self, path: str, version: str | int, only: set[str] | None = None) -> PushReport:
         """Every healthy engine (or those whose URL is in ``only``) loads the weights saved at
@@ -384,22 +401,18 @@ class WeightPusher:
         """Compares the sampled rows with each engine's; an engine that differs fails."""
 
         async def one(link: EngineLink) -> None:
-            differ = []
-            for name, ours in rows.items():
-                try:
-                    theirs = await link.client.get_weights_by_name(name, VERIFY_ROWS)
-                except EngineError as e:
-                    if e.status == 404 or (e.status == 400 and _UNSUPPORTED.search(str(e))):
-                        link.verifiable = False
-                        log.warning(
-                            "engine %s cannot answer /get_weights_by_name; pushes to it are not checked: %s",
-                            link.name,
-                            e,
-                        )
-                        return
+            try:
+                differ = await differing(link.client, rows, VERIFY_ROWS)
+            except EngineError as e:
+                if not (e.status == 404 or (e.status == 400 and _UNSUPPORTED.search(str(e)))):
                     raise
-                if not same_values(ours, torch.tensor(theirs, dtype=torch.float32)):
-                    differ.append(name)
+                link.verifiable = False
+                log.warning(
+                    "engine %s cannot answer /get_weights_by_name; pushes to it are not checked: %s",
+                    link.name,
+                    e,
+                )
+                return
             if differ:
                 failed[link.name] = f"after the push it holds other values for {', '.join(differ)}"
                 log.error("engine %s: weights differ from the pushed ones: %s", link.name, differ)
@@ -586,16 +599,8 @@ class WeightPusher:
     async def verify(self, sample: dict[str, torch.Tensor], truncate_size: int = 100) -> dict[str, list[str]]:
         """Compares a sample of tensors with what each healthy engine holds (``/get_weights_by_name``).
         Returns the names that differ, by engine (empty lists when everything matches)."""
-        mismatches: dict[str, list[str]] = {}
-        for link in self.healthy_links:
-            bad = []
-            for name, t in sample.items():
-                theirs = torch.tensor(await link.client.get_weights_by_name(name, truncate_size))
-                ours = t.detach()[:truncate_size].to(torch.float32).cpu()
-                if not same_values(ours, theirs.to(torch.float32)):
-                    bad.append(name)
-            mismatches[link.name] = bad
-        return mismatches
+        rows = {name: first_rows(t, truncate_size) for name, t in sample.items()}
+        return {link.name: await differing(link.client, rows, truncate_size) for link in self.healthy_links}
 
     async def close(self) -> None:
         self._flat = None
