@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv redis-server demo test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
+.PHONY: help venv lock redis-server demo test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -29,6 +29,17 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	@touch $@
 
 venv: $(VENV)/.installed
+
+# Re-resolve every dependency to the newest release pyproject.toml allows, in a throw-away venv,
+# and write the result to constraints.txt (keeping its header). Measure the README's figures again
+# after a re-lock.
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python -m pip install -q torch==2.13.0
+	.lock-venv/bin/python -m pip install -q -c <(echo torch==2.13.0) -e '.[dev]'
+	{ grep '^#' constraints.txt; .lock-venv/bin/python -m pip freeze --all --exclude-editable | grep -v '^pip==' | sed 's/+cpu$$//'; } > constraints.lock.tmp
+	mv constraints.lock.tmp constraints.txt && rm -rf .lock-venv
 
 redis-server:
 	@command -v redis-server >/dev/null || { \
