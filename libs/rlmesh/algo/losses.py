@@ -25,7 +25,13 @@ __all__ = [
     "register_policy_loss",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -60,7 +66,7 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
 
 
 def _nonzero_or_one(count: Any) -> Any:
-    # An all-masked micro-batch gives loss 0 (sum 0 / 1) instead of verl's 0/0 = NaN; with at
+    # An all-masked (micro-)batch gives loss 0 (sum 0 / 1) instead of verl's 0/0 = NaN; with at
     # least one valid element the division is unchanged.
     if isinstance(count, torch.Tensor):
         return torch.where(count > 0, count, torch.ones_like(count))
@@ -76,57 +82,87 @@ def agg_loss(
     global_batch_size: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss matrix into a scalar.
+    """Aggregate a per-token loss matrix into a scalar, normalised over the global batch.
 
-    With :math:`m` the mask, :math:`T` the padded length, :math:`N_{tok} = \\sum m`,
-    :math:`B` the number of sequences with at least one valid token:
+    Same signature and formulas as ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` of verl
+    v0.9.0 (tag ``v0.9.0``, commit ``483b8a009ba3``; unchanged on main up to ``1dda039b9c63``).
+    The loss of a micro-batch is its share of the global-batch loss, times ``dp_size`` (which the
+    data-parallel gradient average divides out again), so summing the gradients of all
+    micro-batches of all ranks gives the gradient of the global-batch loss.
 
-    - ``token-mean``: :math:`\\frac{\\sum_{i,t} m_{i,t} L_{i,t}}{N_{tok}} \\cdot dp`
-    - ``seq-mean-token-sum``: :math:`\\frac{1}{B}\\sum_i \\sum_t m_{i,t} L_{i,t} \\cdot dp`
-    - ``seq-mean-token-mean``:
-      :math:`\\frac{1}{B}\\sum_i \\frac{\\sum_t m_{i,t} L_{i,t}}{\\sum_t m_{i,t} + 10^{-8}} \\cdot dp`
-    - ``seq-mean-token-sum-norm`` (Dr.GRPO): :math:`\\frac{\\sum_{i,t} m_{i,t} L_{i,t}}{T}`
+    Shapes: ``loss_mat`` :math:`L` and ``loss_mask`` :math:`m` are ``(bs, T)``, ``bs`` the
+    micro-batch's sequences and :math:`T` = ``response_length`` (the padded width). With
+
+    - :math:`S_i = \\sum_t m_{i,t} L_{i,t}` the token-sum of sequence :math:`i` (``(bs,)``),
+    - :math:`n_i = \\sum_t m_{i,t}` its valid tokens and :math:`s_i = [n_i > 0]`,
+    - :math:`N` = ``batch_num_tokens``, valid tokens of the global batch
+      (default :math:`\\sum_i n_i`, this micro-batch's),
+    - :math:`B` = ``global_batch_size``, sequences of the global batch
+      (default :math:`\\sum_i s_i`, this micro-batch's sequences with a valid token),
+    - :math:`D` = ``dp_size`` and :math:`C` = ``loss_scale_factor`` (default :math:`T`):
+
+    ===========================  ========================================================
+    mode                         loss (a scalar)
+    ===========================  ========================================================
+    ``token-mean``               :math:`D \\cdot \\sum_i S_i / N`
+    ``token-sum``                :math:`D \\cdot \\sum_i S_i`
+    ``seq-mean-token-sum``       :math:`D \\cdot \\sum_i s_i S_i / B`
+    ``seq-mean-token-mean``      :math:`D \\cdot \\sum_i s_i \\frac{S_i}{n_i + 10^{-8}} / B`
+    ``seq-mean-token-sum-norm``  :math:`D \\cdot \\sum_i s_i S_i / (B \\cdot C)` (Dr.GRPO)
+    ===========================  ========================================================
+
+    ``seq-mean-token-sum-norm`` is ``seq-mean-token-sum`` divided by the constant :math:`C`
+    (verl PR #5417; before it the sequence mean was missing and the loss was
+    :math:`\\sum_i S_i / C`). Fully masked sequences add nothing and are not counted in the
+    default :math:`B`.
+
+    One deviation from verl: a zero count (an all-masked batch) gives loss 0 instead of
+    ``0/0 = NaN``.
 
     Args:
         loss_mat: ``(bs, response_length)`` per-token loss.
         loss_mask: ``(bs, response_length)``.
-        loss_agg_mode: one of ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
-            ``seq-mean-token-sum-norm``.
-        dp_size: data-parallel world size; with the global counts below, makes the loss of a
-            micro-batch a correctly scaled share of the global-batch loss (as in verl).
-        batch_num_tokens: valid tokens in the global batch (``token-mean``); default: this batch's.
-        global_batch_size: sequences in the global batch (``seq-mean-*``); default: this batch's.
-        loss_scale_factor: :math:`T` for ``seq-mean-token-sum-norm``; default
-            ``loss_mask.shape[-1]``.
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        dp_size: data-parallel world size :math:`D`.
+        batch_num_tokens: :math:`N` for ``token-mean``; required when ``dp_size > 1``.
+        global_batch_size: :math:`B` for the ``seq-mean-*`` modes; required when ``dp_size > 1``.
+        loss_scale_factor: :math:`C` for ``seq-mean-token-sum-norm``; default
+            ``loss_mask.shape[-1]``. A constant (e.g. the maximum response length) keeps the
+            normalisation the same for every batch.
 
     Returns:
         scalar tensor.
 
     Raises:
-        ValueError: unknown ``loss_agg_mode``.
+        ValueError: unknown ``loss_agg_mode``; ``dp_size > 1`` without the global count the
+            mode needs (as in verl).
     """
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("agg_loss: token-mean needs the global batch_num_tokens when dp_size > 1")
             batch_num_tokens = loss_mask.sum()
         return masked_sum(loss_mat, loss_mask) / _nonzero_or_one(batch_num_tokens) * dp_size
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
-        seq_mask = (loss_mask.sum(dim=-1) > 0).to(seq_losses.dtype)  # fully masked sequences do not count
-        if global_batch_size is None:
-            global_batch_size = seq_mask.sum()
-        return masked_sum(seq_losses, seq_mask) / _nonzero_or_one(global_batch_size) * dp_size
-    if loss_agg_mode == "seq-mean-token-mean":
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         seq_tokens = loss_mask.sum(dim=-1)
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (seq_tokens + 1e-8)
-        seq_mask = (seq_tokens > 0).to(seq_losses.dtype)
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)  # S_i, (bs,)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (seq_tokens + 1e-8)
+        seq_mask = (seq_tokens > 0).to(seq_losses.dtype)  # fully masked sequences do not count
         if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError(
+                    f"agg_loss: {loss_agg_mode} needs the global global_batch_size when dp_size > 1"
+                )
             global_batch_size = seq_mask.sum()
-        return masked_sum(seq_losses, seq_mask) / _nonzero_or_one(global_batch_size) * dp_size
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
-        if loss_scale_factor is None:
-            loss_scale_factor = loss_mask.shape[-1]
-        return torch.sum(seq_losses) / loss_scale_factor
+        loss = masked_sum(seq_losses, seq_mask) / _nonzero_or_one(global_batch_size) * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            if loss_scale_factor is None:
+                loss_scale_factor = loss_mask.shape[-1]
+            loss = loss / loss_scale_factor
+        return loss
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; allowed: {list(LOSS_AGG_MODES)}")
 
 
@@ -190,6 +226,10 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped policy loss with asymmetric clip and dual-clip (Schulman et al. 2017).
 
@@ -211,6 +251,9 @@ def compute_policy_loss(
         loss_agg_mode: see :func:`agg_loss`.
         rollout_is_weights: ``(bs, response_length)`` truncated IS weights, multiplied into the
             per-token losses before aggregation (treated as constants).
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: the global-batch
+            normalisation, passed to :func:`agg_loss` (verl passes them as
+            ``config.global_batch_info``); the defaults aggregate over this batch alone.
 
     Returns:
         pg_loss: scalar.
@@ -241,7 +284,15 @@ def compute_policy_loss(
     pg_losses = terms["pg_losses"]
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
-    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    pg_loss = agg_loss(
+        loss_mat=pg_losses,
+        loss_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -252,6 +303,10 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss.
 
@@ -267,6 +322,8 @@ def compute_value_loss(
         response_mask: ``(bs, response_length)``.
         cliprange_value: :math:`\\epsilon_v` (``critic.cliprange_value``).
         loss_agg_mode: see :func:`agg_loss`.
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: the global-batch
+            normalisation, passed to :func:`agg_loss` (as verl's ``compute_value_loss`` does).
 
     Returns:
         vf_loss: scalar.
@@ -276,13 +333,27 @@ def compute_value_loss(
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
     clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
-    vf_loss = 0.5 * agg_loss(loss_mat=clipped_vf_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    vf_loss = 0.5 * agg_loss(
+        loss_mat=clipped_vf_losses,
+        loss_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
     vf_clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac
 
 
 def compute_entropy_loss(
-    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
+    logits: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Aggregated token entropy (subtracted from the policy loss times ``actor.entropy_coeff``).
 
@@ -292,9 +363,19 @@ def compute_entropy_loss(
         logits: ``(bs, response_length, vocab_size)``.
         response_mask: ``(bs, response_length)``.
         loss_agg_mode: see :func:`agg_loss`.
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: the global-batch
+            normalisation, passed to :func:`agg_loss`.
 
     Returns:
         scalar tensor.
     """
     token_entropy = entropy_from_logits(logits)
-    return agg_loss(loss_mat=token_entropy, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    return agg_loss(
+        loss_mat=token_entropy,
+        loss_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh.algo import (
+    LOSS_AGG_MODES,
     POLICY_LOSS_REGISTRY,
     agg_loss,
     compute_entropy_loss,
@@ -19,46 +20,153 @@ from rlmesh.algo import (
 F64 = torch.float64
 
 # ---------------------------------------------------------------- agg_loss
+# Formulas of verl v0.9.0's agg_loss (verl/trainer/ppo/core_algos.py); see agg_loss's docstring.
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], dtype=F64)
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
 # valid: row 0 -> 1, 2 (sum 3, mean 1.5); row 1 -> 4 (sum 4, mean 4); row 2 fully masked.
+# N = 3 tokens, B = 2 sequences with a valid token, T = 3.
 
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3
-        ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 sequences with a valid token
-        ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
-        ("seq-mean-token-sum-norm", 7 / 3),  # (3 + 4) / T=3
+        ("token-mean", 7 / 3),  # (1 + 2 + 4) / N=3
+        ("token-sum", 7.0),  # 1 + 2 + 4
+        ("seq-mean-token-sum", 3.5),  # (3 + 4) / B=2 sequences with a valid token
+        ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / B=2
+        ("seq-mean-token-sum-norm", 7 / 6),  # (3 + 4) / B=2 / T=3
     ],
 )
 def test_agg_loss_by_hand(mode, expected):
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
 
 
-def test_agg_loss_global_batch_arguments():
-    # micro-batch share of a global batch: sum / global count * dp_size
-    assert agg_loss(LOSS, MASK, "token-mean", dp_size=4, batch_num_tokens=6).item() == pytest.approx(
-        7 / 6 * 4
+def test_agg_loss_modes_are_verls():
+    assert LOSS_AGG_MODES == (
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
     )
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum", dp_size=2, global_batch_size=8).item() == pytest.approx(
-        7 / 8 * 2
+
+
+def test_seq_mean_token_sum_norm_counts_only_non_empty_sequences():
+    # 5 sequences of width T=4, two of them empty (rows 1 and 3):
+    #   row 0: 0.5 + 1.5 = 2;  row 2: 3 + 1 + 2 + 6 = 12;  row 4: -2.
+    loss = torch.tensor(
+        [
+            [0.5, 1.5, 9.0, 9.0],
+            [9.0, 9.0, 9.0, 9.0],
+            [3.0, 1.0, 2.0, 6.0],
+            [9.0, 9.0, 9.0, 9.0],
+            [-2.0, 9.0, 9.0, 9.0],
+        ],
+        dtype=F64,
     )
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=7).item() == pytest.approx(1.0)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]])
+    # (2 + 12 - 2) / B=3 non-empty sequences / T=4 = 1 (not / 4 alone = 3, nor / 5 rows / 4 = 0.6)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.0)
+    # a constant C = 8 instead of the padded width
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=8).item() == pytest.approx(0.5)
+    # it is seq-mean-token-sum / C
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(4.0)
+    # global batch: 6 non-empty sequences on 2 ranks, C = 8: 12 / 6 * 2 / 8
+    got = agg_loss(loss, mask, "seq-mean-token-sum-norm", dp_size=2, global_batch_size=6, loss_scale_factor=8)
+    assert got.item() == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(
-    "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    ("mode", "kwargs", "expected"),
+    [
+        # micro-batch share of a global batch, times dp_size: sum / global count * dp_size
+        ("token-mean", {"dp_size": 4, "batch_num_tokens": 6}, 7 / 6 * 4),
+        ("token-sum", {"dp_size": 3}, 7 * 3),
+        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 8}, 7 / 8 * 2),
+        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 8}, 5.5 / 8 * 2),
+        (
+            "seq-mean-token-sum-norm",
+            {"dp_size": 2, "global_batch_size": 8, "loss_scale_factor": 10},
+            7 / 8 * 2 / 10,
+        ),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": 7}, 7 / 2 / 7),
+        # counts given as tensors (as after an all-reduce)
+        ("token-mean", {"dp_size": 2, "batch_num_tokens": torch.tensor(14)}, 7 / 14 * 2),
+        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": torch.tensor(7.0)}, 2.0),
+    ],
 )
+def test_agg_loss_global_batch_arguments(mode, kwargs, expected):
+    assert agg_loss(LOSS, MASK, mode, **kwargs).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("mode", "missing"),
+    [
+        ("token-mean", "batch_num_tokens"),
+        ("seq-mean-token-sum", "global_batch_size"),
+        ("seq-mean-token-mean", "global_batch_size"),
+        ("seq-mean-token-sum-norm", "global_batch_size"),
+    ],
+)
+def test_agg_loss_with_dp_size_needs_the_global_count(mode, missing):
+    with pytest.raises(ValueError, match=missing):
+        agg_loss(LOSS, MASK, mode, dp_size=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), dp=st.integers(1, 3), micro=st.integers(1, 3))
+def test_agg_loss_of_micro_batches_sums_to_the_global_batch_loss(seed, dp, micro):
+    """With the global counts, the micro-batch losses of every rank, summed and divided by dp_size
+    (the data-parallel gradient average), give the loss of the whole batch in one piece."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = dp * micro * 2, 6
+    loss = torch.randn(rows, width, generator=g, dtype=F64)
+    lengths = torch.randint(0, width + 1, (rows,), generator=g)  # some sequences may be empty
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    n_tokens, n_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    for mode in LOSS_AGG_MODES:
+        whole = agg_loss(loss, mask, mode, loss_scale_factor=width)
+        parts = sum(
+            agg_loss(
+                loss[i : i + 2],
+                mask[i : i + 2],
+                mode,
+                dp_size=dp,
+                batch_num_tokens=n_tokens,
+                global_batch_size=n_seqs,
+                loss_scale_factor=width,
+            )
+            for i in range(0, rows, 2)
+        )
+        torch.testing.assert_close(parts / dp, whole, msg=mode)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_loss_of_fully_masked_batch_is_zero(mode):
     assert agg_loss(LOSS, torch.zeros_like(MASK), mode).item() == 0.0
 
 
 def test_agg_loss_unknown_mode_names_allowed_values():
-    with pytest.raises(ValueError, match=r"'token-sum'.*token-mean.*seq-mean-token-sum-norm"):
-        agg_loss(LOSS, MASK, "token-sum")
+    with pytest.raises(ValueError, match=r"'token-max'.*token-mean.*token-sum.*seq-mean-token-sum-norm"):
+        agg_loss(LOSS, MASK, "token-max")
+
+
+def test_losses_pass_the_global_batch_arguments_to_agg_loss():
+    kw = {"dp_size": 2, "batch_num_tokens": 10, "global_batch_size": 4, "loss_scale_factor": 5}
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(3, 3, generator=g, dtype=F64) for _ in range(3))
+    for mode in LOSS_AGG_MODES:
+        pg_loss = compute_policy_loss(a, b, c, MASK, cliprange=0.2, loss_agg_mode=mode, **kw)[0]
+        terms = compute_pg_losses(a, b, c, 0.2, 0.2)
+        torch.testing.assert_close(pg_loss, agg_loss(terms["pg_losses"], MASK, mode, **kw))
+        vf_loss, _ = compute_value_loss(a, b, c, MASK, 0.2, loss_agg_mode=mode, **kw)
+        clipped = torch.max((a - b) ** 2, (c + (a - c).clamp(-0.2, 0.2) - b) ** 2)
+        torch.testing.assert_close(vf_loss, 0.5 * agg_loss(clipped, MASK, mode, **kw))
+        logits = torch.randn(3, 3, 5, generator=g, dtype=F64)
+        entropy = compute_entropy_loss(logits, MASK, loss_agg_mode=mode, **kw)
+        h = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+        torch.testing.assert_close(entropy, agg_loss(h, MASK, mode, **kw))
 
 
 # ---------------------------------------------------------------- policy loss
