@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rlmesh.engine.runner import make_runner
-from rlmesh.engine.sampling import SamplingParams, sample_tokens
+from rlmesh.engine.sampling import SamplingParams, sample_tokens, token_logprobs
 from rlmesh.runtime.busy import BusyTracker
 
 log = logging.getLogger("rlmesh.engine")
@@ -211,7 +211,8 @@ class BatchEngine:
         self._retire_finished()
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Picks each row's next token; records it and its raw log-prob; marks finished rows."""
+        """Picks each row's next token; records it and its log-prob under the row's temperature
+        (:func:`~rlmesh.engine.sampling.token_logprobs`); marks finished rows."""
         stops = [self._stop_ids(seq) for seq in rows]
         early = [
             r for r, seq in enumerate(rows) if len(seq.output_ids) < seq.params.min_new_tokens and stops[r]
@@ -221,7 +222,7 @@ class BatchEngine:
             for r in early:
                 logits[r, list(stops[r])] = float("-inf")
         tokens = sample_tokens(logits, [seq.params for seq in rows], [seq.generator for seq in rows])
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+        logprobs = token_logprobs(logits, tokens, [seq.params for seq in rows]).tolist()
         for seq, token, logprob, stop in zip(rows, tokens.tolist(), logprobs, stops, strict=True):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)

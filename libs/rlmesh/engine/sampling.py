@@ -1,10 +1,17 @@
 """SGLang ``sampling_params`` for the embedded engine: parsing (unknown keys are refused as
-SGLang 0.5.22+ does) and per-sequence sampling.
+SGLang 0.5.22+ does), per-sequence sampling and the log-probs returned with each token.
 
-Log-probs are always those of the sampled token under the model's raw distribution
-(``log_softmax(logits)`` at temperature 1, before top-k/top-p/min-p), whatever the sampling
-parameters: that is the distribution the learner's ``logprobs_from_logits`` computes, so the two
-are comparable token for token.
+The returned log-prob of a sampled token is its log-probability under the temperature-scaled
+distribution, ``log_softmax(logits / T)``, over the whole vocabulary: after the min-new-tokens
+stop mask but before top-k/top-p/min-p truncation (:func:`token_logprobs`). That is what SGLang
+returns by default (``python/sglang/srt/layers/sampler.py`` of sglang 0.5.23: ``log(softmax(logits
+/ T))`` taken before the top-k/top-p/min-p filters, which work on a copy; the environment variable
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would switch to ``log_softmax(logits)``), and it is the
+distribution the learner scores the same tokens under (``softmax(logits / T)``, as verl's actor
+does; verl never truncates there either). Greedy requests (temperature 0) return
+``log_softmax(logits)``, as SGLang does and as the learner does for temperature 0; a request
+with ``top_k=1`` and a temperature is scored at that temperature (SGLang too, unless every row
+of its batch is greedy).
 """
 
 from __future__ import annotations
@@ -64,6 +71,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the returned log-probs are taken under: the
+        sampling temperature, or 1 for temperature 0 (greedy)."""
+        return self.temperature if self.temperature >= GREEDY_EPS else 1.0
 
 
 def _number(params: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -167,3 +180,27 @@ def sample_tokens(
         picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         tokens[rows] = picked.clamp(max=logits.shape[-1] - 1)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Log-probability of each row's token under ``softmax(logits / T)`` of that row, in fp32.
+
+    .. math:: \\log p_T(y) = z_y / T - \\log \\sum_v e^{z_v / T}
+
+    with :math:`T` = ``SamplingParams.logprob_temperature`` (1 for greedy rows). The whole
+    vocabulary is the support: top-k/top-p/min-p truncation is not renormalised in, as in SGLang
+    and in the learner's ``logprobs_from_logits(logits / T)``.
+
+    Args:
+        logits: ``[rows, vocab]``, the logits the token was sampled from (after any stop mask).
+        tokens: ``[rows]`` the sampled tokens.
+        params: each row's sampling parameters.
+
+    Returns:
+        ``[rows]`` float32 log-probs.
+    """
+    temperature = torch.tensor(
+        [sp.logprob_temperature for sp in params], dtype=torch.float32, device=logits.device
+    )
+    scaled = logits.float() / temperature[:, None]
+    return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None].long())[:, 0]
