@@ -31,9 +31,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import grpc
 
-from rlmesh import demo
+from rlmesh.job import demo
+from rlmesh.job.report import engine_server_info, read_metrics
+from rlmesh.job.train import run_job, say_with
 from rlmesh.runtime.busy import Interval, union_seconds
-from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import common_pb2, reference_pb2_grpc
 
 STEPS = 20
@@ -43,7 +44,7 @@ LEARNER_COMPUTE = ("old_log_prob", "values", "update_critic", "update_actor", "p
 
 
 def engine_info(rollout_address: str) -> dict[str, Any]:
-    info = demo.engine_server_info(rollout_address)
+    info = engine_server_info(rollout_address)
     if "busy_intervals" not in info:
         raise SystemExit(f"the engine of {rollout_address} reports no busy_intervals in /get_server_info")
     return {
@@ -84,17 +85,18 @@ def main() -> int:
     overrides = demo.run_overrides(args, prepared, run_dir, run_id)
     services: dict[str, dict[str, Any]] = {}
 
-    def read_services(endpoints: dict) -> None:
-        for i, address in enumerate(endpoints["rollouts"]):
-            services[f"engine {i}"] = engine_info(address)
-        services["reference"] = reference_info(endpoints["reference"])
+    def read_services(stack: Any) -> None:
+        for i, replica in enumerate(stack.rollouts):
+            services[f"engine {i}"] = engine_info(replica.grpc_address)
+        services["reference"] = reference_info(stack.get("reference").grpc_address)
 
-    with ProcessLauncher(run_dir, stop_grace_s=30) as launcher:
-        code = demo.train(launcher, args, overrides, run_dir, before_stop=read_services)
-    if code != 0:
-        print(f"the learner failed with exit code {code}; see {run_dir / 'logs'}")
-        return code
-    rows = [r for r in demo.read_metrics(run_dir / "checkpoints" / "metrics.jsonl") if "timing_s/step" in r]
+    result = run_job(
+        args.config, overrides, service_dir=run_dir, say=say_with("bench"), before_stop=read_services
+    )
+    if result.code != 0:
+        print(f"the run failed: {result.failure}")
+        return result.code
+    rows = [r for r in read_metrics(run_dir / "checkpoints" / "metrics.jsonl") if "timing_s/step" in r]
     # The first step includes warm-up (first forwards, group set-up): leave it out.
     steady = rows[1:] or rows
 

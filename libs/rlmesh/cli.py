@@ -10,8 +10,6 @@ from importlib.metadata import entry_points
 from types import FrameType
 
 SERVICE_GROUP = "rlmesh.services"
-# The order services start in: each may depend on those before it.
-STACK_ORDER = ("reward", "reference", "rollout", "learner")
 
 
 def service_entry_points() -> dict[str, object]:
@@ -83,9 +81,15 @@ def cmd_engine(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from rlmesh.demo import main as demo_main
+    from rlmesh.job.demo import main as demo_main
 
     return demo_main(rest)
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.job.train import main as train_main
+
+    return train_main(rest)
 
 
 def cmd_sft(args: argparse.Namespace, rest: list[str]) -> int:
@@ -122,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a private Redis and every service, check their health, stop them")
     p.add_argument("--config", "-c", help="YAML config file (verl key names)")
-    p.add_argument("--services", default=",".join(STACK_ORDER), help="comma-separated services to start")
+    p.add_argument(
+        "--services", default="reward,reference,rollout,learner", help="comma-separated services to start"
+    )
     p.add_argument("--hold", action="store_true", help="keep everything running until Ctrl-C")
     p.add_argument("--workdir", help="where logs and Redis data go (default: runs/<run id>)")
     p.set_defaults(func=cmd_up, passthrough=True)
@@ -160,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.set_defaults(func=cmd_demo, passthrough=True)
+
+    p = sub.add_parser(
+        "train",
+        help="run a PPO job from a config (verl's main_ppo): start its services, train, export the actor",
+        add_help=False,
+    )
+    p.set_defaults(func=cmd_train, passthrough=True)
 
     p = sub.add_parser("sft", help="supervised warm-up of a model on a verl-layout parquet", add_help=False)
     p.set_defaults(func=cmd_sft, passthrough=True)

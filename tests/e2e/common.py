@@ -15,6 +15,7 @@ from rlmesh.data import generate_arithmetic
 from rlmesh.learner.sft import arithmetic_examples, run_sft
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher, ServiceInstance
+from rlmesh.runtime.stack import free_port_overrides, start_stack
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,16 +61,17 @@ class Peers:
 
     @property
     def learner_overrides(self) -> list[str]:
-        return [*self.common, *self.addresses, "rlmesh.learner.port=0", "rlmesh.learner.metrics_port=0"]
+        return [*self.common, *self.addresses, *free_port_overrides("learner")]
 
 
 def run_overrides(
-    run_id: str, redis_url: str, prepared: Prepared, run_dir: Path, extra: list[str]
+    run_id: str, redis_url: str | None, prepared: Prepared, run_dir: Path, extra: list[str]
 ) -> list[str]:
-    """What every service of one small run is given: run id, Redis, model, data, batch shape."""
+    """What every service of one small run is given: run id, Redis (None: the stack starts one),
+    model, data, batch shape."""
     return [
         f"rlmesh.run_id={run_id}",
-        f"rlmesh.redis_url={redis_url}",
+        *([f"rlmesh.redis_url={redis_url}"] if redis_url else []),
         f"actor_rollout_ref.model.path={prepared.model}",
         f"data.train_files={prepared.data['train']}",
         f"data.val_files={prepared.data['test']}",
@@ -86,31 +88,18 @@ def run_overrides(
 def start_peers(launcher: ProcessLauncher, prepared: Prepared, run_dir: Path, extra: list[str]) -> Peers:
     """Redis, reward, reference and one rollout replica (embedded engine) for a new run id."""
     run_id = f"e2e-{uuid.uuid4().hex[:6]}"
-    redis = launcher.start_redis()
-    common = run_overrides(run_id, redis.url, prepared, run_dir, extra)
-    svc = {}
-    for name in ("reward", "reference"):
-        svc[name] = launcher.start_service(
-            name,
-            config_path=CONFIG,
-            overrides=[*common, f"rlmesh.{name}.port=0", f"rlmesh.{name}.metrics_port=0"],
-        )
-    addresses = [
-        f"rlmesh.reward.addresses=['{svc['reward'].grpc_address}']",
-        f"rlmesh.reference.addresses=['{svc['reference'].grpc_address}']",
-    ]
-    rollout = launcher.start_service(
-        "rollout",
-        config_path=CONFIG,
-        overrides=[
-            *common,
-            *addresses,
-            "rlmesh.rollout.port=0",
-            "rlmesh.rollout.metrics_port=0",
-            "rlmesh.sampler.replica_id=r0",
-        ],
+    common = [*run_overrides(run_id, None, prepared, run_dir, extra), "rlmesh.rollout.replicas=1"]
+    stack = start_stack(
+        launcher, str(CONFIG), common, services=("reward", "reference", "rollout"), say=lambda m: None
     )
-    return Peers(run_id=run_id, redis_url=redis.url, common=common, addresses=addresses, rollout=rollout)
+    addresses = [o for o in stack.overrides if o.startswith(("rlmesh.reward.", "rlmesh.reference."))]
+    return Peers(
+        run_id=run_id,
+        redis_url=stack.redis_url,
+        common=[*common, f"rlmesh.redis_url={stack.redis_url}"],
+        addresses=addresses,
+        rollout=stack.rollouts[0],
+    )
 
 
 def engine_url(rollout_address: str) -> str:

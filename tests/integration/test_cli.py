@@ -59,7 +59,7 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PING: PONG" in out.stdout
     pids = []
-    for name in ("reward", "reference", "rollout", "learner"):
+    for name in ("reward", "reference", "rollout-0", "learner"):
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith(f"[rlmesh up] {name} ")), None)
         assert line, f"no status line for {name}:\n{out.stdout}"
         assert "health: SERVING" in line and "rlmesh series" in line

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlmesh.demo import stage_rates
+from rlmesh.job.report import stage_rates
 
 ROWS = [
     {

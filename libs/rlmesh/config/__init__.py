@@ -19,7 +19,7 @@ from rlmesh.config.base import COMPAT_DESCRIPTION, ConfigWarning
 from rlmesh.config.engine import DeepSpeedConfig, EngineSettings, FsdpConfig, OptimConfig
 from rlmesh.config.errors import ConfigError
 from rlmesh.config.keys import ConfigKey, config_keys, keys_markdown_table
-from rlmesh.config.loader import ENV_AUTH_TOKEN, config_from_dict, dump_yaml, load_config
+from rlmesh.config.loader import ENV_AUTH_TOKEN, config_from_dict, dump_yaml, given_keys, load_config
 from rlmesh.config.rlmesh_section import (
     SERVICE_PORTS,
     QueueConfig,
@@ -75,6 +75,7 @@ __all__ = [
     "config_from_dict",
     "config_keys",
     "dump_yaml",
+    "given_keys",
     "keys_markdown_table",
     "load_config",
 ]

@@ -159,6 +159,37 @@ def config_from_dict(data: Mapping[str, Any]) -> RLMeshConfig:
     return cfg
 
 
+def _read_layers(
+    config_path: str | os.PathLike[str] | None, overrides: Sequence[str], problems: list[str]
+) -> list[dict[str, Any]]:
+    if isinstance(overrides, str):  # a lone string would be split into characters
+        overrides = [overrides]
+    layers = [] if config_path is None else [_read_file(config_path, problems)]
+    for index, arg in enumerate(overrides, start=1):
+        parsed = _parse_override(arg, index, problems)
+        if parsed is not None:
+            layers.append(parsed)
+    return layers
+
+
+def given_keys(config_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> set[str]:
+    """The dotted keys the YAML file and the overrides write (sections and leaves), as opposed to
+    those left at their defaults: ``rlmesh train`` starts a private Redis unless
+    ``rlmesh.redis_url`` is among them."""
+    keys: set[str] = set()
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            keys.add(path)
+            if isinstance(value, Mapping):
+                walk(value, f"{path}.")
+
+    for layer in _read_layers(config_path, overrides, []):
+        walk(layer, "")
+    return keys
+
+
 def load_config(
     config_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
 ) -> RLMeshConfig:
@@ -167,14 +198,8 @@ def load_config(
     Raises ConfigError with every problem found (file, overrides, unknown keys, bad values,
     cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set.
     """
-    if isinstance(overrides, str):  # a lone string would be split into characters
-        overrides = [overrides]
     problems: list[str] = []
-    layers = [] if config_path is None else [_read_file(config_path, problems)]
-    for index, arg in enumerate(overrides, start=1):
-        parsed = _parse_override(arg, index, problems)
-        if parsed is not None:
-            layers.append(parsed)
+    layers = _read_layers(config_path, overrides, problems)
     tree = copy.deepcopy(_defaults_tree())
     for layer in layers:
         _deep_merge(tree, layer)

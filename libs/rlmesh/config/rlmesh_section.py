@@ -80,6 +80,17 @@ class ReferenceServiceConfig(ServiceConfig):
     )
 
 
+class RolloutServiceConfig(ServiceConfig):
+    """Rollout replicas: where each listens, and how many `rlmesh train` starts."""
+
+    replicas: int = Field(
+        1,
+        ge=0,
+        description="rollout replicas `rlmesh train` starts on this machine; 0 = start none and use "
+        "the replicas already registered in rlmesh.redis_url",
+    )
+
+
 class LearnerServiceConfig(ServiceConfig):
     """The learner service: where rank 0 listens, and how many data-parallel ranks it starts."""
 
@@ -200,7 +211,7 @@ class RlmeshSection(Section):
     log_format: Literal["json", "text"] = Field("json", description="log line format")
     reward: RewardServiceConfig = _service("reward", RewardServiceConfig)
     reference: ReferenceServiceConfig = _service("reference", ReferenceServiceConfig)
-    rollout: ServiceConfig = _service("rollout")
+    rollout: RolloutServiceConfig = _service("rollout", RolloutServiceConfig)
     learner: LearnerServiceConfig = _service("learner", LearnerServiceConfig)
     control: ServiceConfig = _service("control")
     weight_sync: WeightSyncConfig = Field(

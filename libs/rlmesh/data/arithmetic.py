@@ -6,8 +6,9 @@ gsm8k rule scorer works on it unchanged. The instruction is verl's gsm8k idea cu
 (ARITHMETIC_INSTRUCTION, 20 characters) because a char-level tiny model spends one token per
 character: with the ChatML wrapping a 3-term prompt is ~55 tokens.
 
-Expressions are drawn with a seeded RNG and never repeated, the test split first, so train and test
-are disjoint and the test set for a seed does not change when train_size does.
+Expressions are drawn with a seeded RNG and never repeated, the test split first, then the optional
+dev split (held out for the supervised warm-up's stopping check), then train, so the splits are
+disjoint and the test set for a seed does not change when train_size or dev_size does.
 """
 
 from __future__ import annotations
@@ -78,18 +79,22 @@ def make_arithmetic_rows(
     max_terms: int = 3,
     max_operand: int = 20,
     ops: str = OPS,
+    dev_size: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
-    """{"train": rows, "test": rows}: distinct expressions, none in both splits."""
+    """{"train": rows, "test": rows} (and "dev": rows when dev_size > 0): distinct expressions,
+    none in two splits."""
     if not 2 <= min_terms <= max_terms:
         raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
     if not ops or set(ops) - set(OPS):
         raise ValueError(f"ops must be a non-empty subset of {OPS!r}, got {ops!r}")
-    if train_size < 1 or val_size < 1:
-        raise ValueError(f"train_size and val_size must be >= 1, got {train_size}, {val_size}")
+    if train_size < 1 or val_size < 1 or dev_size < 0:
+        raise ValueError(
+            f"train_size and val_size must be >= 1 and dev_size >= 0, got {train_size}, {val_size}, {dev_size}"
+        )
     ops = "".join(sorted(set(ops), key=OPS.index))  # "*+" and "+*" are the same knob: same draws
-    total = train_size + val_size
+    total = train_size + val_size + dev_size
     space = count_expressions(min_terms, max_terms, max_operand, ops)
     if total > space:
         raise ValueError(f"asked for {total} distinct expressions but these knobs allow only {space}")
@@ -106,10 +111,15 @@ def make_arithmetic_rows(
         if expr not in seen:
             seen.add(expr)
             order.append(expr)
-    test, train = order[:val_size], order[val_size:]
+    splits = {
+        "test": order[:val_size],
+        "dev": order[val_size : val_size + dev_size],
+        "train": order[val_size + dev_size :],
+    }
     return {
-        "train": [arithmetic_row(e, "train", i) for i, e in enumerate(train)],
-        "test": [arithmetic_row(e, "test", i) for i, e in enumerate(test)],
+        split: [arithmetic_row(e, split, i) for i, e in enumerate(exprs)]
+        for split, exprs in splits.items()
+        if exprs
     }
 
 
@@ -123,8 +133,10 @@ def generate_arithmetic(
     max_terms: int = 3,
     max_operand: int = 20,
     ops: str = OPS,
+    dev_size: int = 0,
 ) -> dict[str, Path]:
-    """Write out_dir/train.parquet and out_dir/test.parquet; returns {"train": path, "test": path}."""
+    """Write out_dir/train.parquet and out_dir/test.parquet (and dev.parquet when dev_size > 0);
+    returns {"train": path, "test": path[, "dev": path]}."""
     rows = make_arithmetic_rows(
         seed,
         train_size=train_size,
@@ -133,6 +145,7 @@ def generate_arithmetic(
         max_terms=max_terms,
         max_operand=max_operand,
         ops=ops,
+        dev_size=dev_size,
     )
     out = Path(out_dir)
     return {split: write_rows(r, out / f"{split}.parquet") for split, r in rows.items()}

@@ -6,6 +6,10 @@ reads a verl-layout Parquet with :class:`rlmesh.data.RLHFDataset` (chat template
 RL prompts are), takes ``format_arithmetic_solution(ground_truth) + eos`` as the target of every
 ``arithmetic`` row, trains with the loss on target tokens only and saves an HF directory (weights,
 config, tokenizer). Deterministic given the seed.
+
+With ``--dev PARQUET --stop-at ACC`` it checks greedy accuracy on that held-out split every
+``--eval-every`` steps and stops as soon as it reaches ``ACC``: the outcome of the warm-up is then
+a band of accuracy, not a number of epochs whose result depends on the machine's numerics.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.algo import logprobs_from_logits
 from rlmesh.learner.hf_dir import copy_tokenizer
 
-__all__ = ["collate_sft", "main", "run_sft", "sft_loss"]
+__all__ = ["collate_sft", "greedy_accuracy", "main", "run_sft", "sft_loss"]
 
 Example = tuple[Sequence[int], Sequence[int]]
 
@@ -80,6 +84,42 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
     return -(log_probs * mask).sum() / max(tokens, 1), tokens
 
 
+def greedy_accuracy(
+    model: torch.nn.Module, tokenizer: Any, items: Sequence[Any], max_new_tokens: int, batch_size: int = 256
+) -> float:
+    """Mean reward of greedy responses to ``items`` (:class:`rlmesh.data.PromptItem`), scored by the
+    built-in reward of each item's data source: what validation computes, with plain HF generate."""
+    from rlmesh.reward.builtin import default_compute_score
+
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total = 0.0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        width = max(len(it.prompt_ids) for it in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, it in enumerate(chunk):  # left padding: every row's response starts at `width`
+            ids[i, width - len(it.prompt_ids) :] = torch.tensor(it.prompt_ids)
+            mask[i, width - len(it.prompt_ids) :] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        for text, it in zip(texts, chunk, strict=True):
+            score = default_compute_score(it.data_source, text, it.ground_truth, it.extra_info)
+            total += float(score["score"] if isinstance(score, dict) else score)
+    model.train(was_training)
+    return total / max(len(items), 1)
+
+
 def run_sft(
     model_path: str,
     out_dir: str,
@@ -91,16 +131,22 @@ def run_sft(
     *,
     tokenizer_path: str | None = None,
     log_fn: Any = print,
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
+    eval_every: int = 0,
+    stop_at: float | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model_path`` on ``(prompt_ids, target_ids)`` pairs and save it to ``out_dir``.
 
     AdamW (no weight decay), examples shuffled each epoch by ``seed``, loss on target tokens only;
-    one line per epoch through ``log_fn``.
+    one line per epoch through ``log_fn``. With ``evaluate`` (a held-out score of the model) and
+    ``eval_every`` > 0 it scores the model every that many optimizer steps and once at the end;
+    with ``stop_at`` it stops at the first score >= ``stop_at`` (``epochs`` is then a cap).
 
     Returns:
-        ``{"epoch_losses": [...], "initial_loss": x, "final_loss": y, "steps": n}`` where
+        ``{"epoch_losses": [...], "initial_loss": x, "final_loss": y, "steps": n, "evals":
+        [[step, score], ...], "dev_score": last score or None, "reached": bool}`` where
         ``initial_loss`` is the mean loss over all examples before training and ``final_loss``
-        after it (no grad, same batches).
+        after it (no grad, same batches); ``reached`` tells whether ``stop_at`` was reached.
     """
     if not examples:
         raise ValueError("run_sft needs at least one example")
@@ -118,7 +164,7 @@ def run_sft(
             for s in range(0, len(order), batch_size)
         ]
 
-    def evaluate() -> float:
+    def mean_loss() -> float:
         model.eval()
         total = count = 0.0
         with torch.no_grad():
@@ -128,9 +174,19 @@ def run_sft(
                 count += tokens
         return total / max(count, 1.0)
 
-    initial = evaluate()
+    evals: list[list[float]] = []
+
+    def score_dev() -> bool:
+        """Scores the model on the dev split; True when it reached ``stop_at``."""
+        assert evaluate is not None
+        evals.append([steps, evaluate(model)])
+        reached = stop_at is not None and evals[-1][1] >= stop_at
+        log_fn(f"sft step {steps}: dev score {evals[-1][1]:.3f}{' (reached the band)' if reached else ''}")
+        return reached
+
+    initial = mean_loss()
     log_fn(f"sft: {len(examples)} examples, {epochs} epochs, batch {batch_size}, lr {lr}; loss {initial:.4f}")
-    epoch_losses, steps = [], 0
+    epoch_losses, steps, reached = [], 0, False
     for epoch in range(1, epochs + 1):
         start = time.perf_counter()
         order = list(range(len(examples)))
@@ -145,17 +201,33 @@ def run_sft(
             total += loss.item() * tokens
             count += tokens
             steps += 1
+            if evaluate is not None and eval_every > 0 and steps % eval_every == 0:
+                reached = score_dev()
+                if reached:
+                    break
         epoch_losses.append(total / max(count, 1.0))
         log_fn(
             f"sft epoch {epoch}/{epochs}: loss {epoch_losses[-1]:.4f} ({time.perf_counter() - start:.1f} s)"
         )
-    final = evaluate()
+        if reached:
+            break
+    if evaluate is not None and (not evals or evals[-1][0] != steps):
+        reached = score_dev()
+    final = mean_loss()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     copy_tokenizer(tokenizer_path or model_path, out)
     log_fn(f"sft: loss {initial:.4f} -> {final:.4f}; saved {out}")
-    return {"epoch_losses": epoch_losses, "initial_loss": initial, "final_loss": final, "steps": steps}
+    return {
+        "epoch_losses": epoch_losses,
+        "initial_loss": initial,
+        "final_loss": final,
+        "steps": steps,
+        "evals": evals,
+        "dev_score": evals[-1][1] if evals else None,
+        "reached": reached,
+    }
 
 
 def arithmetic_examples(data: str | list[str], tokenizer: Any, max_prompt_length: int = 512, max_samples: int = -1) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:  # fmt: skip
@@ -188,7 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-length", type=int, default=512)
     parser.add_argument("--max-samples", type=int, default=-1, help="use at most this many rows; -1 = all")
+    parser.add_argument("--dev", nargs="+", default=None, help="held-out Parquet scored by greedy decoding")
+    parser.add_argument("--eval-every", type=int, default=25, help="score --dev every this many steps")
+    parser.add_argument("--stop-at", type=float, default=None, help="stop once the --dev score reaches this")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="response length when scoring --dev")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.stop_at is not None and not args.dev:
+        parser.error("--stop-at needs --dev (the held-out split it is checked on)")
 
     from transformers import AutoTokenizer
 
@@ -207,7 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not examples:
         print("rlmesh sft: no arithmetic rows in the data", file=sys.stderr)
         return 1
-    run_sft(
+    evaluate = None
+    if args.dev:
+        from rlmesh.data import RLHFDataset
+
+        dev = RLHFDataset(args.dev, tokenizer, max_prompt_length=args.max_prompt_length).items
+        evaluate = lambda model: greedy_accuracy(model, tokenizer, dev, args.max_new_tokens)  # noqa: E731
+    result = run_sft(
         args.model,
         args.out,
         examples,
@@ -216,7 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         tokenizer_path=args.tokenizer,
+        evaluate=evaluate,
+        eval_every=args.eval_every,
+        stop_at=args.stop_at,
     )
+    if args.stop_at is not None and not result["reached"]:
+        print(
+            f"rlmesh sft: the dev score reached {result['dev_score']:.3f}, not {args.stop_at}, "
+            f"within {args.epochs} epochs",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -1,8 +1,6 @@
-"""``rlmesh up``: a private Redis plus every service, each as its own OS process on loopback.
-
-It starts them in dependency order, waits until each answers gRPC health SERVING, checks that
-each serves Prometheus metrics and what its info RPC answers, prints what it found, and stops
-everything (at once, or on Ctrl-C with ``--hold``).
+"""Starting a run's services as OS processes: ``start_stack`` is the one function that does it
+(``rlmesh train``, the demo, ``rlmesh up``, the e2e tests and ``make bench`` all call it), and
+``run_stack`` is ``rlmesh up``: start everything, probe health, metrics and info RPCs, stop.
 """
 
 from __future__ import annotations
@@ -10,14 +8,20 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from rlmesh.runtime.health import grpc_health, redis_ping, scrape_metrics
-from rlmesh.runtime.launcher import LaunchError, ProcessLauncher, ServiceInstance
+from rlmesh.runtime.launcher import (
+    LaunchError,
+    ManagedProcess,
+    ProcessLauncher,
+    RedisInstance,
+    ServiceInstance,
+)
 from rlmesh.v1 import (
     common_pb2,
     learner_pb2_grpc,
@@ -71,14 +75,112 @@ def probe(instance: ServiceInstance, token: str | None) -> ServiceReport:
         address=instance.grpc_address,
         health=grpc_health(instance.grpc_address),
         metrics=metrics,
-        info=probe_info(instance.name, instance.grpc_address, token),
+        info=probe_info(instance.name.split("-", 1)[0], instance.grpc_address, token),
     )
+
+
+STACK_ORDER = ("reward", "reference", "rollout", "learner")
+
+
+def free_port_overrides(service: str) -> list[str]:
+    """Overrides that make ``service`` bind free ports (it reports them in its ready file)."""
+    return [f"rlmesh.{service}.port=0", f"rlmesh.{service}.metrics_port=0"]
+
+
+@dataclass
+class Stack:
+    """What ``start_stack`` started or attached to."""
+
+    redis_url: str
+    redis: RedisInstance | None  # None: attached to rlmesh.redis_url
+    overrides: list[str]  # what every service was given: the caller's, Redis, reward and reference
+    started: list[ServiceInstance] = field(default_factory=list)
+    attached: dict[str, list[str]] = field(default_factory=dict)  # service -> addresses not started here
+
+    def get(self, name: str) -> ServiceInstance | None:
+        return next((s for s in self.started if s.name == name), None)
+
+    @property
+    def rollouts(self) -> list[ServiceInstance]:
+        return [s for s in self.started if s.name.startswith("rollout")]
+
+    @property
+    def learner(self) -> ServiceInstance | None:
+        return self.get("learner")
+
+    def processes(self) -> list[tuple[str, ManagedProcess]]:
+        """Every process started here, by name: Redis first, in start order."""
+        named = [("redis", self.redis.process)] if self.redis is not None else []
+        return named + [(s.name, s.process) for s in self.started]
+
+
+def start_stack(
+    launcher: ProcessLauncher,
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    services: Sequence[str] = STACK_ORDER,
+    say: Callable[[str], None] = print,
+) -> Stack:
+    """Starts what the config needs on this machine, in dependency order, each service on free
+    ports and healthy before the next starts; raises ``LaunchError`` naming the one that failed.
+
+    Attaches instead of starting where the config points at something running: Redis when
+    ``rlmesh.redis_url`` is given, reward / reference when ``rlmesh.<svc>.addresses`` lists them,
+    rollout replicas when ``rlmesh.rollout.replicas`` is 0 (those registered in Redis serve).
+    ``rlmesh.rollout.replicas`` replicas are started otherwise; the learner always is.
+    """
+    from rlmesh.config import given_keys, load_config
+
+    cfg = load_config(config_path, overrides)
+    timeout_s = cfg.rlmesh.runtime.health_timeout_s
+    if "rlmesh.redis_url" in given_keys(config_path, overrides):
+        redis, redis_url = None, cfg.rlmesh.redis_url
+        say(f"{'redis':<12} {redis_url} (given: not started here)")
+    else:
+        redis = launcher.start_redis()
+        redis_url = redis.url
+        say(f"{'redis':<12} {redis_url} (pid {redis.process.pid})")
+    stack = Stack(redis_url=redis_url, redis=redis, overrides=[*overrides, f"rlmesh.redis_url={redis_url}"])
+
+    def start(service: str, name: str, extra: Sequence[str] = (), note: str = "") -> ServiceInstance:
+        instance = launcher.start_service(
+            service,
+            name=name,
+            config_path=config_path,
+            overrides=[*stack.overrides, *free_port_overrides(service), *extra],
+            timeout_s=max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s,
+        )
+        stack.started.append(instance)
+        say(f"{name:<12} {instance.grpc_address} (pid {instance.process.pid}{note})")
+        return instance
+
+    for service in ("reward", "reference"):
+        given = getattr(cfg.rlmesh, service).addresses
+        if given:
+            stack.attached[service] = list(given)
+            say(f"{service:<12} {', '.join(given)} (given: not started here)")
+        elif service in services:
+            instance = start(service, service)
+            stack.overrides.append(f"rlmesh.{service}.addresses=['{instance.grpc_address}']")
+    if "rollout" in services:
+        replicas = cfg.rlmesh.rollout.replicas
+        if replicas == 0:
+            stack.attached["rollout"] = []
+            say(f"{'rollout':<12} none started: the replicas registered in {redis_url} serve this run")
+        engine = cfg.actor_rollout_ref.rollout.name
+        for i in range(replicas):
+            start("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")
+    if "learner" in services:
+        ranks = cfg.rlmesh.learner.ranks
+        start("learner", "learner", note=f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
+    return stack
 
 
 def run_stack(
     config_path: str | None = None,
     overrides: Sequence[str] = (),
-    services: str | Sequence[str] = ("reward", "reference", "rollout", "learner"),
+    services: str | Sequence[str] = STACK_ORDER,
     hold: bool = False,
     workdir: str | None = None,
 ) -> int:
@@ -97,13 +199,7 @@ def run_stack(
     workdir = workdir or str(Path("runs") / run_id)
     with ProcessLauncher(workdir, stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s) as launcher:
         print(f"[rlmesh up] run {run_id}: logs in {launcher.workdir / 'logs'}", flush=True)
-        redis = launcher.start_redis()
-        print(
-            f"[rlmesh up] redis   pid {redis.process.pid:<7} {redis.url}  PING: "
-            f"{'PONG' if redis_ping(redis.host, redis.port) else 'no answer'}",
-            flush=True,
-        )
-        common = [*overrides, f"rlmesh.redis_url={redis.url}", f"rlmesh.run_id={run_id}"]
+        common = [*overrides, f"rlmesh.run_id={run_id}"]
         model_path = Path(cfg.actor_rollout_ref.model.path).expanduser()
         if not model_path.exists():
             model_path = _tiny_model(launcher.workdir / "tiny-model")
@@ -134,31 +230,29 @@ def run_stack(
                 f"[rlmesh up] no data at {train_files[0]}: wrote a small arithmetic set in {data['train'].parent}",
                 flush=True,
             )
-        started: list[ServiceInstance] = []
         try:
-            for name in names:
-                # Ports 0: each service binds free ports and reports them in its ready file.
-                instance = launcher.start_service(
-                    name,
-                    config_path=config_path,
-                    overrides=[
-                        *common,
-                        *_peer_addresses(started),
-                        f"rlmesh.{name}.port=0",
-                        f"rlmesh.{name}.metrics_port=0",
-                    ],
-                    timeout_s=cfg.rlmesh.runtime.health_timeout_s,
-                )
-                started.append(instance)
-                report = probe(instance, token)
-                print(
-                    f"[rlmesh up] {report.name:<9} pid {report.pid:<7} {report.address:<16} health: "
-                    f"{report.health:<8} metrics: {report.metrics}  {report.info}",
-                    flush=True,
-                )
+            stack = start_stack(
+                launcher,
+                config_path,
+                common,
+                services=names,
+                say=lambda msg: print(f"[rlmesh up] {msg}", flush=True),
+            )
         except LaunchError as e:
             print(f"[rlmesh up] start-up failed: {e}", flush=True)
             return 1
+        started = stack.started
+        if stack.redis is not None:
+            redis = stack.redis
+            pong = "PONG" if redis_ping(redis.host, redis.port) else "no answer"
+            print(f"[rlmesh up] redis     pid {redis.process.pid:<7} {redis.url}  PING: {pong}", flush=True)
+        for instance in started:
+            report = probe(instance, token)
+            print(
+                f"[rlmesh up] {report.name:<9} pid {report.pid:<7} {report.address:<16} health: "
+                f"{report.health:<8} metrics: {report.metrics}  {report.info}",
+                flush=True,
+            )
         print(
             f"[rlmesh up] {len(started)} services and redis healthy after {time.monotonic() - t0:.1f} s",
             flush=True,
@@ -176,7 +270,3 @@ def _tiny_model(out: Path) -> Path:
     from rlmesh.models import build_tiny_model, build_tokenizer
 
     return build_tiny_model(out, build_tokenizer(), hidden_size=64, num_layers=2)
-
-
-def _peer_addresses(started: Sequence[ServiceInstance]) -> list[str]:
-    return [f"rlmesh.{s.name}.addresses=['{s.grpc_address}']" for s in started]

@@ -1,0 +1,237 @@
+"""``rlmesh train -c CONFIG [key=value ...]``: a whole PPO job on this machine, the counterpart of
+verl's ``main_ppo``. It validates the config, starts what the config needs (``start_stack``),
+follows the learner with one progress line per step, then prints a summary, writes a plot and
+exports the actor. Running the same command again resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlmesh.job.report import engine_server_info, plot, read_metrics, stage_rates
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class JobResult:
+    """How a job ended; ``code`` is the process exit code ``rlmesh train`` returns."""
+
+    code: int
+    run_id: str
+    checkpoint_dir: Path
+    service_dir: Path
+    wall_s: float
+    rows: list[dict[str, float]] = field(default_factory=list)
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    failure: str = ""
+
+
+def say_with(prefix: str) -> Say:
+    def say(msg: str) -> None:
+        print(f"[{prefix}] {msg}", flush=True)
+
+    return say
+
+
+def progress_line(step: int, total: int, m: dict[str, float], elapsed_s: float) -> str:
+    """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time."""
+    val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
+    eta = f", eta {elapsed_s / step * (total - step):.0f} s" if 0 < step < total else ""
+    return (
+        f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
+        f"kl {m.get('actor/reward_kl_penalty', 0):+.4f}  val {val}  "
+        f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
+        f"[{elapsed_s:.0f} s{eta}]"
+    )
+
+
+def run_job(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    service_dir: Path | None = None,
+    say: Say | None = None,
+    before_stop: Callable[[Any], None] | None = None,
+) -> JobResult:
+    """Starts the stack, follows the learner until it exits, stops everything.
+
+    ``before_stop(stack)`` runs while the services are still up (benchmarks read their counters
+    there). A service that exits while the learner runs fails the job, named in ``failure``.
+    """
+    import grpc
+
+    from rlmesh.config import load_config
+    from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+    from rlmesh.runtime.stack import start_stack
+    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+
+    t0 = time.monotonic()
+    say = say or say_with("train")
+    cfg = load_config(config_path, overrides)
+    run_id = cfg.rlmesh.run_id or (
+        f"{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    )
+    checkpoint_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    service_dir = service_dir or checkpoint_dir / "services" / run_id
+    overrides = [*overrides, f"rlmesh.run_id={run_id}"]
+    result = JobResult(
+        code=1, run_id=run_id, checkpoint_dir=checkpoint_dir, service_dir=service_dir, wall_s=0
+    )
+    token = cfg.rlmesh.auth_token
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
+    with ProcessLauncher(service_dir, stop_grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30)) as launcher:
+        try:
+            stack = start_stack(launcher, config_path, overrides, say=say)
+        except LaunchError as e:
+            result.failure = f"start-up failed: {e}"
+            say(result.failure)
+            return result
+        learner = stack.learner
+        assert learner is not None
+        shown, announced = 0, ""
+        started = time.monotonic()
+        with grpc.insecure_channel(learner.grpc_address) as channel:
+            stub = learner_pb2_grpc.LearnerStub(channel)
+            while learner.process.alive():
+                dead = [(n, p) for n, p in stack.processes() if p is not learner.process and not p.alive()]
+                if dead:
+                    name, proc = dead[0]
+                    result.failure = (
+                        f"{name} exited with code {proc.popen.returncode} while the learner ran; "
+                        f"its log: {proc.log_path}"
+                    )
+                    break
+                try:
+                    st = stub.GetStatus(common_pb2.Empty(), timeout=5, metadata=metadata)
+                except grpc.RpcError:
+                    time.sleep(0.5)
+                    continue
+                if st.step > shown:
+                    shown = st.step
+                    say(progress_line(st.step, st.total_steps, dict(st.metrics), time.monotonic() - started))
+                elif st.step == 0:
+                    phase = learner_pb2.LearnerPhase.Name(st.phase).removeprefix("LEARNER_PHASE_").lower()
+                    line = f"learner: {phase}{' - ' + st.message if st.message else ''}"
+                    if line != announced:
+                        say(line)
+                        announced = line
+                time.sleep(1.0)
+        if result.failure:
+            say(result.failure)
+            return result
+        code = learner.process.popen.wait()
+        result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
+        # The learner may finish between two polls: show the steps the progress line missed.
+        total = max((int(r["step"]) for r in result.rows), default=0)
+        for row in result.rows:
+            if row["step"] > shown and "timing_s/step" in row:
+                say(progress_line(int(row["step"]), total, row, time.monotonic() - started))
+        if code != 0:
+            result.failure = f"the learner failed (exit code {code}); its log: {learner.process.log_path}"
+            say(result.failure)
+            result.code = code
+            return result
+        for replica in stack.rollouts:
+            try:
+                result.engines.append(engine_server_info(replica.grpc_address, token))
+            except Exception as e:  # the summary falls back to the learner's timings
+                say(f"could not read the engine counters of {replica.name}: {e}")
+        if before_stop is not None:
+            before_stop(stack)
+    result.code = 0
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+def summarize(
+    result: JobResult, title: str, *, export: bool = True, extra: dict[str, Any] | None = None
+) -> int:
+    """Prints the summary table and one JSON line for scripts, writes the plot, exports the actor
+    to ``<checkpoint dir>/actor-hf``; returns the exit code."""
+    from rlmesh.learner import latest_checkpoint
+    from rlmesh.learner.export import export_checkpoint
+
+    rows = result.rows
+    steps = int(max((r["step"] for r in rows), default=0))
+    vals = [r for r in rows if "val/score" in r]
+    plot_path = result.checkpoint_dir / "training.png"
+    plot(rows, plot_path)
+    exported = None
+    checkpoint = latest_checkpoint(str(result.checkpoint_dir))
+    if export and checkpoint is not None:
+        exported = export_checkpoint(checkpoint, result.checkpoint_dir / "actor-hf")
+    rates = stage_rates(rows, result.engines)
+    print()
+    print(f"  {title}")
+    print("  ----------------------------------------------")
+    summary: dict[str, Any] = {}
+    if vals:
+        before, after = vals[0]["val/score"], vals[-1]["val/score"]
+        summary.update(acc_before=before, acc_after=after)
+        print(f"  validation score before      {before:7.1%}   (step {int(vals[0]['step'])})")
+        print(f"  validation score after       {after:7.1%}   ({(after - before) * 100:+.1f} points)")
+    print(f"  PPO steps                    {steps:7d}")
+    print(f"  wall time                    {result.wall_s:7.0f} s")
+    for key, value in rates.items():
+        print(f"  {key.replace('_', ' '):<28} {value:7.0f}")
+    print(f"  metrics   {result.checkpoint_dir / 'metrics.jsonl'}")
+    print(f"  plot      {plot_path}")
+    print(f"  actor     {exported or '(no checkpoint to export)'}")
+    print(f"  logs      {result.service_dir / 'logs'}")
+    print()
+    summary.update(
+        steps=steps,
+        wall_s=round(result.wall_s, 1),
+        **{k: round(v, 1) for k, v in rates.items()},
+        exported_actor=str(exported) if exported else None,
+        checkpoint_dir=str(result.checkpoint_dir),
+        run_id=result.run_id,
+        **(extra or {}),
+    )
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlmesh train",
+        description="Run a PPO job: start what the config needs on this machine, train, export the actor.",
+        epilog="Attach to services already running by giving rlmesh.redis_url, rlmesh.reward.addresses, "
+        "rlmesh.reference.addresses, or rlmesh.rollout.replicas=0. Run the same command again to resume.",
+    )
+    p.add_argument("--config", "-c", default=None, help="YAML config file (verl key names)")
+    p.add_argument("--no-export", action="store_true", help="do not export the actor at the end")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as verl's main_ppo takes them")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rlmesh.config import ConfigError, load_config
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"rlmesh train: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    result = run_job(args.config, args.overrides)
+    if result.code != 0:
+        print(f"rlmesh train: {result.failure or 'failed'}", file=sys.stderr)
+        return result.code
+    title = f"rlmesh train: {cfg.trainer.project_name} / {cfg.trainer.experiment_name}"
+    return summarize(result, title, export=not args.no_export)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
