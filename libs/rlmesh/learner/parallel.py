@@ -66,15 +66,17 @@ def global_loss_scale(
     .. math:: \\mathcal{L}_{micro} \\cdot \\frac{c}{C_{global}} \\cdot dp
               = \\mathrm{agg\\_loss}(\\ldots, dp\\_size, batch\\_num\\_tokens, global\\_batch\\_size)
 
-    which is verl's global normalisation; -norm divides by a constant ``norm_len`` instead of each
-    micro-batch's own padded width.
+    which is verl's global normalisation; -norm divides by ``n_seqs · norm_len`` (the non-empty
+    sequences of the global mini-batch times a constant length) instead of each micro-batch's own
+    sequence count times its padded width.
     """
     if loss_agg_mode == "token-mean":
         local, total = float(response_mask.sum()), float(n_tokens)
     elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         local, total = float((response_mask.sum(dim=-1) > 0).sum()), float(n_seqs)
-    else:  # seq-mean-token-sum-norm: a sum over sequences divided by a constant length
-        local, total = float(response_mask.shape[-1]), float(norm_len)
+    else:  # seq-mean-token-sum-norm: seq-mean-token-sum over the constant length norm_len
+        local = float((response_mask.sum(dim=-1) > 0).sum()) * float(response_mask.shape[-1])
+        total = float(n_seqs) * float(norm_len)
     return local / max(total, 1.0) * dp_size
 
 
