@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
+.PHONY: help venv lock redis-server demo demo-seeds test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -48,6 +48,10 @@ redis-server:
 
 demo: venv redis-server
 	$(BIN)/rlmesh demo $(DEMO_ARGS)
+
+# The README's table: the demo for seeds 0, 1 and 2 (about 10 minutes each, warm-ups cached after).
+demo-seeds: venv redis-server
+	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider
