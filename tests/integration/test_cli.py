@@ -60,7 +60,10 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     assert "PING: PONG" in out.stdout
     pids = []
     for name in ("reward", "reference", "rollout-0", "learner"):
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(f"[rlmesh up] {name} ")), None)
+        line = next(
+            (ln for ln in out.stdout.splitlines() if ln.startswith(f"[rlmesh up] {name} ") and "health:" in ln),
+            None,
+        )
         assert line, f"no status line for {name}:\n{out.stdout}"
         assert "health: SERVING" in line and "rlmesh series" in line
         pids.append(int(re.search(r"pid (\d+)", line).group(1)))
