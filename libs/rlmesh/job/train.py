@@ -42,16 +42,40 @@ def say_with(prefix: str) -> Say:
     return say
 
 
-def progress_line(step: int, total: int, m: dict[str, float], elapsed_s: float) -> str:
-    """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time."""
+def progress_line(
+    step: int, total: int, m: dict[str, float], elapsed_s: float, done: int | None = None
+) -> str:
+    """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time
+    (``done``: the steps ``elapsed_s`` covers, fewer than ``step`` in a resumed run)."""
     val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
-    eta = f", eta {elapsed_s / step * (total - step):.0f} s" if 0 < step < total else ""
+    done = step if done is None else done
+    eta = f", eta {elapsed_s / done * (total - step):.0f} s" if done > 0 and step < total else ""
     return (
         f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
         f"kl {m.get('actor/reward_kl_penalty', 0):+.4f}  val {val}  "
         f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
         f"[{elapsed_s:.0f} s{eta}]"
     )
+
+
+class MetricsFollower:
+    """The rows a learner appends to its ``metrics.jsonl`` from now on: rows of earlier runs (a
+    resumed run appends to the same file) and a line still being written are left out."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def new_rows(self) -> list[dict[str, float]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def run_job(
@@ -89,17 +113,37 @@ def run_job(
     token = cfg.rlmesh.auth_token
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
+    follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
     with ProcessLauncher(service_dir, stop_grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30)) as launcher:
         try:
             stack = start_stack(launcher, config_path, overrides, say=say)
         except LaunchError as e:
-            result.failure = f"start-up failed: {e}"
-            say(result.failure)
+            say(f"start-up failed: {e}")  # with the last lines of the failed service's log
+            # One line for stderr, as for a failure while the learner runs: who failed, its log.
+            where = f"; its log: {e.log_path}" if e.log_path else ""
+            result.failure = f"start-up failed: {e.headline}{where}"
             return result
         learner = stack.learner
         assert learner is not None
-        shown, announced = 0, ""
+        total, announced = cfg.trainer.total_training_steps or 0, ""
+        first: int | None = None  # the step this run started after (> 0 when it resumed)
         started = time.monotonic()
+
+        def show_steps() -> None:
+            # One line per step of this run, from the learner's metrics rows: a poll can miss a
+            # step, the rows cannot (step 0 is validation before training: no line).
+            nonlocal first
+            for row in follower.new_rows():
+                if "timing_s/step" not in row:
+                    continue
+                step = int(row["step"])
+                if first is None:
+                    first = step - 1
+                    if first:
+                        say(f"resumed from the checkpoint of step {first}")
+                elapsed = time.monotonic() - started
+                say(progress_line(step, max(total, step), row, elapsed, done=step - first))
+
         with grpc.insecure_channel(learner.grpc_address) as channel:
             stub = learner_pb2_grpc.LearnerStub(channel)
             while learner.process.alive():
@@ -116,10 +160,9 @@ def run_job(
                 except grpc.RpcError:
                     time.sleep(0.5)
                     continue
-                if st.step > shown:
-                    shown = st.step
-                    say(progress_line(st.step, st.total_steps, dict(st.metrics), time.monotonic() - started))
-                elif st.step == 0:
+                total = st.total_steps
+                show_steps()
+                if first is None:  # before this run's first step: what the learner is doing
                     phase = learner_pb2.LearnerPhase.Name(st.phase).removeprefix("LEARNER_PHASE_").lower()
                     line = f"learner: {phase}{' - ' + st.message if st.message else ''}"
                     if line != announced:
@@ -130,12 +173,8 @@ def run_job(
             say(result.failure)
             return result
         code = learner.process.popen.wait()
+        show_steps()  # the learner may finish between two polls
         result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
-        # The learner may finish between two polls: show the steps the progress line missed.
-        total = max((int(r["step"]) for r in result.rows), default=0)
-        for row in result.rows:
-            if row["step"] > shown and "timing_s/step" in row:
-                say(progress_line(int(row["step"]), total, row, time.monotonic() - started))
         if code != 0:
             result.failure = f"the learner failed (exit code {code}); its log: {learner.process.log_path}"
             say(result.failure)

@@ -47,7 +47,11 @@ def load_tokenizer(path: str | Path, **kwargs: object) -> PreTrainedTokenizerBas
     config = path / "tokenizer_config.json"
     if config.exists() and json.loads(config.read_text()).get(CHAR_TOKENIZER_MARKER):
         return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        # As verl's hf_tokenizer does: Llama's tokenizers have no pad token, batches need one.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:

@@ -32,7 +32,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
-    """A child failed to start or to become healthy; the message names it and quotes its log."""
+    """A child failed to start or to become healthy; the message names it and quotes its log.
+
+    ``headline`` is the message's first sentence (which child, what happened) and ``log_path`` its
+    log, when a child was started at all: what a one-line report needs."""
+
+    def __init__(self, message: str, *, headline: str = "", log_path: Path | None = None) -> None:
+        super().__init__(message)
+        self.headline = headline or message
+        self.log_path = log_path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -199,16 +207,20 @@ class ProcessLauncher:
         while True:
             for p in (proc, *also_alive):
                 if not p.alive():
+                    headline = f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up"
                     raise LaunchError(
-                        f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up; "
-                        f"last lines of {p.log_path}:\n{p.log_tail()}"
+                        f"{headline}; last lines of {p.log_path}:\n{p.log_tail()}",
+                        headline=headline,
+                        log_path=p.log_path,
                     )
             if ready():
                 return
             if time.monotonic() > deadline:
+                headline = f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s"
                 raise LaunchError(
-                    f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s; "
-                    f"last lines of {proc.log_path}:\n{proc.log_tail()}"
+                    f"{headline}; last lines of {proc.log_path}:\n{proc.log_tail()}",
+                    headline=headline,
+                    log_path=proc.log_path,
                 )
             time.sleep(0.05)
 

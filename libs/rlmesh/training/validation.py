@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ async def validate(
                     response_ids=out.output_ids,
                     ground_truth=str(item.ground_truth),
                     data_source=item.data_source,
+                    # verl gives the reward function the row's extra_info in validation too.
+                    extra_info_json=json.dumps(item.extra_info, default=str),
                 )
             )
         results = await score(samples)

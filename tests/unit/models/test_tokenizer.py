@@ -88,3 +88,22 @@ def test_load_tokenizer_beside_a_qwen2_config_keeps_every_character(tmp_path):
     assert len(ids) == len(text)
     assert tok.decode(ids) == text
     assert tok.eos_token_id == build_tokenizer().eos_token_id
+
+
+def test_load_tokenizer_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_path):
+    """Llama tokenizers ship without a pad token; the learner's batches need one. verl's
+    hf_tokenizer pads with eos then, and so does load_tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlmesh.models import load_tokenizer
+
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1, "a": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        tmp_path
+    )
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id is None
+    tok = load_tokenizer(tmp_path)
+    assert tok.pad_token_id == tok.eos_token_id == 1
+    assert tok.encode("a a", add_special_tokens=False) == [2, 2]
