@@ -27,6 +27,9 @@ DEMO_CONFIG = Path(__file__).resolve().with_name("cpu_demo.yaml")
 # Dev accuracy is checked this often (optimizer steps of 32 examples) during the warm-up.
 SFT_EVAL_EVERY = 10
 WARMUP_BAND = 0.30
+# Adam's second-moment horizon shortened from 1000 to 50 steps: the tiny model sat on its
+# plateau (~8% dev accuracy) for 30+ epochs with 0.999 and left it around epoch 27 with 0.98.
+SFT_BETAS = (0.9, 0.98)
 
 
 @dataclass
@@ -79,6 +82,8 @@ def prepare(
         "sft_max_epochs": sft_max_epochs,
         "sft_lr": sft_lr,
         "warmup_band": warmup_band,
+        "sft_betas": SFT_BETAS,
+        "sft_eval_every": SFT_EVAL_EVERY,
     }
     key = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(spec, sort_keys=True)).hex[:10]
     root = workdir / f"prepared-{key}"
@@ -139,6 +144,7 @@ def prepare(
             evaluate=lambda model: greedy_accuracy(model, tokenizer, dev, max_new_tokens=12),
             eval_every=SFT_EVAL_EVERY,
             stop_at=warmup_band,
+            betas=SFT_BETAS,
         )
         if not result["reached"]:
             # Not cached: a later run tries again rather than starting PPO from a weak policy.

@@ -48,11 +48,13 @@ def progress_line(
     """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time
     (``done``: the steps ``elapsed_s`` covers, fewer than ``step`` in a resumed run)."""
     val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
+    # The KL that acts on the policy: the loss term under use_kl_loss, else the in-reward penalty.
+    kl = m["actor/kl_loss"] if "actor/kl_loss" in m else m.get("actor/reward_kl_penalty", 0.0)
     done = step if done is None else done
     eta = f", eta {elapsed_s / done * (total - step):.0f} s" if done > 0 and step < total else ""
     return (
         f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
-        f"kl {m.get('actor/reward_kl_penalty', 0):+.4f}  val {val}  "
+        f"kl {kl:+.4f}  val {val}  "
         f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
         f"[{elapsed_s:.0f} s{eta}]"
     )
@@ -264,6 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlmesh train: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    if cfg.trainer.save_freq <= 0:
+        print(
+            f"rlmesh train: trainer.save_freq={cfg.trainer.save_freq} (verl's default): no checkpoint will be "
+            "written, so the actor cannot be exported and running this command again starts over; set "
+            "trainer.save_freq to keep them",
+            file=sys.stderr,
+            flush=True,
+        )
     result = run_job(args.config, args.overrides)
     if result.code != 0:
         print(f"rlmesh train: {result.failure or 'failed'}", file=sys.stderr)

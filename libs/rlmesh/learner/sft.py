@@ -134,10 +134,11 @@ def run_sft(
     evaluate: Callable[[torch.nn.Module], float] | None = None,
     eval_every: int = 0,
     stop_at: float | None = None,
+    betas: tuple[float, float] = (0.9, 0.999),
 ) -> dict[str, Any]:
     """Fine-tune ``model_path`` on ``(prompt_ids, target_ids)`` pairs and save it to ``out_dir``.
 
-    AdamW (no weight decay), examples shuffled each epoch by ``seed``, loss on target tokens only;
+    AdamW (no weight decay, ``betas``), examples shuffled each epoch by ``seed``, loss on target tokens only;
     one line per epoch through ``log_fn``. With ``evaluate`` (a held-out score of the model) and
     ``eval_every`` > 0 it scores the model every that many optimizer steps and once at the end;
     with ``stop_at`` it stops at the first score >= ``stop_at`` (``epochs`` is then a cap).
@@ -156,7 +157,7 @@ def run_sft(
     rng = random.Random(seed)
     model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_path), dtype=torch.float32)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=betas)
 
     def batches(order: list[int]) -> list[dict[str, torch.Tensor]]:
         return [
@@ -181,7 +182,8 @@ def run_sft(
         assert evaluate is not None
         evals.append([steps, evaluate(model)])
         reached = stop_at is not None and evals[-1][1] >= stop_at
-        log_fn(f"sft step {steps}: dev score {evals[-1][1]:.3f}{' (reached the band)' if reached else ''}")
+        if reached:
+            log_fn(f"sft step {steps}: dev score {evals[-1][1]:.3f} reached {stop_at}")
         return reached
 
     initial = mean_loss()
@@ -206,8 +208,9 @@ def run_sft(
                 if reached:
                     break
         epoch_losses.append(total / max(count, 1.0))
+        dev = f", dev score {evals[-1][1]:.3f}" if evals else ""
         log_fn(
-            f"sft epoch {epoch}/{epochs}: loss {epoch_losses[-1]:.4f} ({time.perf_counter() - start:.1f} s)"
+            f"sft epoch {epoch}/{epochs}: loss {epoch_losses[-1]:.4f}{dev} ({time.perf_counter() - start:.1f} s)"
         )
         if reached:
             break

@@ -46,6 +46,23 @@ def test_deterministic_and_disjoint(tmp_path):
     assert bigger["test"] == read(a["test"])
 
 
+def test_dev_split_is_disjoint_and_leaves_the_test_split_alone():
+    plain = make_arithmetic_rows(3, train_size=300, val_size=50)
+    rows = make_arithmetic_rows(3, train_size=300, val_size=50, dev_size=60)
+    expr = {split: {r["extra_info"]["expression"] for r in rs} for split, rs in rows.items()}
+    assert {split: len(e) for split, e in expr.items()} == {"test": 50, "dev": 60, "train": 300}
+    assert (
+        not expr["dev"] & expr["train"]
+        and not expr["dev"] & expr["test"]
+        and not expr["train"] & expr["test"]
+    )
+    assert rows["test"] == plain["test"]
+    assert {r["extra_info"]["split"] for r in rows["dev"]} == {"dev"}
+    assert "dev" not in plain
+    with pytest.raises(ValueError, match="dev_size"):
+        make_arithmetic_rows(3, dev_size=-1)
+
+
 def test_difficulty_knobs():
     rows = make_arithmetic_rows(
         0, train_size=100, val_size=10, min_terms=4, max_terms=4, max_operand=5, ops="*"
