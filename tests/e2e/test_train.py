@@ -386,3 +386,44 @@ def test_a_service_that_cannot_start_fails_the_job_naming_it_and_its_log(user, t
     line, log = failure_line(proc)
     assert "learner" in line and log.name == "learner.log", line
     assert f"{tmp_path / 'bad_val.parquet'}, row 3, column 'prompt': empty prompt" in log.read_text()
+
+
+@pytest.mark.timeout(300)
+def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
+    """Given rlmesh.redis_url and rlmesh.reward.addresses, rlmesh train starts neither and uses them."""
+    import redis as redis_client
+
+    from rlmesh.runtime.launcher import ProcessLauncher
+    from rlmesh.runtime.stack import free_port_overrides
+
+    run_dir = tmp_path / "attached-run"
+    with ProcessLauncher(tmp_path / "theirs") as theirs:
+        redis = theirs.start_redis()
+        reward = theirs.start_service(
+            "reward",
+            config_path=user.config,
+            overrides=[f"rlmesh.redis_url={redis.url}", *free_port_overrides("reward")],
+        )
+        calls_before = len(user.marker.read_text().splitlines()) if user.marker.exists() else 0
+        proc = rlmesh_train(
+            user.config,
+            f"rlmesh.redis_url={redis.url}",
+            f"rlmesh.reward.addresses=['{reward.grpc_address}']",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            "rlmesh.run_id=attached",
+        )
+        summary = summary_of(proc)
+        assert summary["steps"] == 1
+        assert re.search(
+            rf"^\[train\] redis +{re.escape(redis.url)} \(given: not started here\)", proc.stdout, re.M
+        )
+        assert re.search(r"^\[train\] reward +\S+ \(given: not started here\)", proc.stdout, re.M)
+        logs = {p.stem for p in (run_dir / "services" / "attached" / "logs").iterdir()}
+        assert "reward" not in logs and "redis" not in logs and {"reference", "rollout-0", "learner"} <= logs
+        # Their reward service scored this run's samples and their Redis holds this run's streams.
+        assert len(user.marker.read_text().splitlines()) - calls_before >= 8 * 4
+        assert reward.process.alive() and redis.process.alive()
+        keys = redis_client.Redis.from_url(redis.url).keys("rlmesh:{attached}:*")
+        assert keys, "the run left nothing in the given Redis"

@@ -195,10 +195,17 @@ def run_job(
 
 
 def summarize(
-    result: JobResult, title: str, *, export: bool = True, extra: dict[str, Any] | None = None
+    result: JobResult,
+    title: str,
+    *,
+    export: bool = True,
+    extra: dict[str, Any] | None = None,
+    started_at: float | None = None,
 ) -> int:
     """Prints the summary table and one JSON line for scripts, writes the plot, exports the actor
-    to ``<checkpoint dir>/actor-hf``; returns the exit code."""
+    to ``<checkpoint dir>/actor-hf``; returns the exit code. With ``started_at`` (a
+    ``time.monotonic()``) the wall time runs from then to the end of the export; otherwise it is
+    the job's, start-up to the learner's exit."""
     from rlmesh.learner import latest_checkpoint
     from rlmesh.learner.export import export_checkpoint
 
@@ -211,6 +218,8 @@ def summarize(
     checkpoint = latest_checkpoint(str(result.checkpoint_dir))
     if export and checkpoint is not None:
         exported = export_checkpoint(checkpoint, result.checkpoint_dir / "actor-hf")
+    if started_at is not None:
+        result.wall_s = time.monotonic() - started_at
     rates = stage_rates(rows, result.engines)
     print()
     print(f"  {title}")
