@@ -427,3 +427,46 @@ def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
         assert reward.process.alive() and redis.process.alive()
         keys = redis_client.Redis.from_url(redis.url).keys("rlmesh:{attached}:*")
         assert keys, "the run left nothing in the given Redis"
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path):
+    import signal
+
+    from rlmesh.learner import latest_checkpoint
+    from tests.helpers import pid_alive
+
+    run_dir = tmp_path / "interrupted"
+    argv = [sys.executable, "-m", "rlmesh.cli", "train", "-c", str(user.config)]
+    overrides = [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=500"]
+    proc = subprocess.Popen(
+        [*argv, *overrides],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # Ctrl-C once the second step is reported
+        seen.append(line)
+        if re.match(r"\[train\] step +2/500 ", line):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=180)
+    stdout = "".join(seen) + out
+    assert proc.returncode == 130, stdout[-3000:] + err[-3000:]
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)", stdout)]
+    assert len(pids) == 5  # redis, reward, reference, rollout-0, learner
+    assert not [p for p in pids if pid_alive(p)], "a process outlived rlmesh train's Ctrl-C"
+    # The learner wrote its last step on the way out; the same command picks up from there.
+    checkpoint = latest_checkpoint(str(run_dir))
+    assert checkpoint is not None, stdout[-3000:]
+    stopped_at = int(Path(checkpoint).name.rsplit("_", 1)[-1])
+    assert stopped_at >= 2
+    again = rlmesh_train(user.config, *overrides[:1], f"trainer.total_training_steps={stopped_at + 1}")
+    summary = summary_of(again)
+    assert f"[train] resumed from the checkpoint of step {stopped_at}\n" in again.stdout, again.stdout
+    assert progress_steps(again) == [(stopped_at + 1, stopped_at + 1)]
+    assert summary["steps"] == stopped_at + 1

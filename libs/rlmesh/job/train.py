@@ -48,8 +48,9 @@ def progress_line(
     """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time
     (``done``: the steps ``elapsed_s`` covers, fewer than ``step`` in a resumed run)."""
     val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
-    # The KL that acts on the policy: the loss term under use_kl_loss, else the in-reward penalty.
-    kl = m["actor/kl_loss"] if "actor/kl_loss" in m else m.get("actor/reward_kl_penalty", 0.0)
+    # The KL that acts on the policy: the in-reward penalty, else the loss term (use_kl_loss);
+    # the learner reports the one that is off as 0.
+    kl = m.get("actor/reward_kl_penalty") or m.get("actor/kl_loss", 0.0)
     done = step if done is None else done
     eta = f", eta {elapsed_s / done * (total - step):.0f} s" if done > 0 and step < total else ""
     return (
