@@ -200,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         # SIGTERM unwinds like Ctrl-C, so `with ProcessLauncher()` blocks stop their children.
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored:
+        # Ctrl-C (or a SIGINT from a supervisor) must stop what these commands started all the same.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return int(args.func(args, rest) or 0)
     except KeyboardInterrupt:
