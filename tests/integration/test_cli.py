@@ -61,7 +61,11 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     pids = []
     for name in ("reward", "reference", "rollout-0", "learner"):
         line = next(
-            (ln for ln in out.stdout.splitlines() if ln.startswith(f"[rlmesh up] {name} ") and "health:" in ln),
+            (
+                ln
+                for ln in out.stdout.splitlines()
+                if ln.startswith(f"[rlmesh up] {name} ") and "health:" in ln
+            ),
             None,
         )
         assert line, f"no status line for {name}:\n{out.stdout}"
