@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlmesh.job.train import say_with
+
 # Shipped inside the package (examples/cpu_demo.yaml links to it), so an installed rlmesh has it.
 DEMO_CONFIG = Path(__file__).resolve().with_name("cpu_demo.yaml")
 # Dev accuracy is checked this often (optimizer steps of 32 examples) during the warm-up.
@@ -43,8 +45,7 @@ class Prepared:
     warmup_s: float  # 0 when the warm-up was cached
 
 
-def say(msg: str) -> None:
-    print(f"[demo] {msg}", flush=True)
+say = say_with("demo")
 
 
 def prepare(
@@ -200,14 +201,14 @@ def run_overrides(args: argparse.Namespace, prepared: Prepared, run_dir: Path, r
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlmesh.job.train import run_job, say_with, summarize
+    from rlmesh.job.train import run_job, summarize
 
     t0 = time.monotonic()
     prepared = prepare_from_args(args)
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = Path(args.workdir) / run_id
     overrides = run_overrides(args, prepared, run_dir, run_id)
-    result = run_job(args.config, overrides, service_dir=run_dir, say=say_with("demo"))
+    result = run_job(args.config, overrides, service_dir=run_dir, say=say)
     if result.code != 0:
         say(f"failed: {result.failure}")
         return result.code

@@ -52,9 +52,10 @@ def engine_server_info(rollout_address: str, token: str | None = None) -> dict[s
 
     import grpc
 
+    from rlmesh.runtime.auth import bearer_metadata
     from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    metadata = bearer_metadata(token)
     with grpc.insecure_channel(rollout_address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         url = stub.GetInfo(common_pb2.Empty(), timeout=10, metadata=metadata).engine_url

@@ -97,6 +97,7 @@ def run_job(
     import grpc
 
     from rlmesh.config import load_config
+    from rlmesh.runtime.auth import bearer_metadata
     from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
     from rlmesh.runtime.stack import start_stack
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
@@ -114,7 +115,7 @@ def run_job(
         code=1, run_id=run_id, checkpoint_dir=checkpoint_dir, service_dir=service_dir, wall_s=0
     )
     token = cfg.rlmesh.auth_token
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    metadata = bearer_metadata(token)
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
     follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
     with ProcessLauncher(service_dir, stop_grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30)) as launcher:

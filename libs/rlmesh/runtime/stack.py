@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from rlmesh.runtime.auth import bearer_metadata
 from rlmesh.runtime.health import grpc_health, redis_ping, scrape_metrics
 from rlmesh.runtime.launcher import (
     LaunchError,
@@ -54,7 +55,7 @@ def probe_info(service: str, address: str, token: str | None) -> str:
     if service not in INFO_RPC:
         return "-"
     stub_cls, method = INFO_RPC[service]
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    metadata = bearer_metadata(token)
     with grpc.insecure_channel(address) as channel:
         try:
             getattr(stub_cls(channel), method)(common_pb2.Empty(), timeout=5, metadata=metadata)
