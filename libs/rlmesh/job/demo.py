@@ -32,6 +32,10 @@ WARMUP_BAND = 0.25
 # Adam's second-moment horizon shortened from 1000 to 50 steps: the tiny model sat on its
 # plateau (~8% dev accuracy) for 30+ epochs with 0.999 and left it around epoch 27 with 0.98.
 SFT_BETAS = (0.9, 0.98)
+# Whole tokens for the chat roles and the prompt's fixed wording, as a real BPE vocabulary has them:
+# one token per character made a prompt 53 tokens for 4 characters of problem, and every forward
+# and update of the run paid for them.
+DEMO_WORDS = ("user", "assistant", "What", " is", " Answer", " after", "####")
 
 
 @dataclass
@@ -85,6 +89,7 @@ def prepare(
         "warmup_band": warmup_band,
         "sft_betas": SFT_BETAS,
         "sft_eval_every": SFT_EVAL_EVERY,
+        "words": DEMO_WORDS,
     }
     key = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(spec, sort_keys=True)).hex[:10]
     root = workdir / f"prepared-{key}"
@@ -93,7 +98,7 @@ def prepare(
         say(f"building a tiny Qwen2 (hidden {hidden_size}, {num_layers} layers) and a local char tokenizer")
         build_tiny_model(
             base,
-            build_tokenizer(),
+            build_tokenizer(words=DEMO_WORDS),
             hidden_size=hidden_size,
             num_layers=num_layers,
             num_heads=4,
@@ -235,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlmesh demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="runs/demo", help="where prepared models, data and runs go")
     p.add_argument("--config", default=str(DEMO_CONFIG))
-    p.add_argument("--steps", type=int, default=200, help="PPO steps")
+    p.add_argument("--steps", type=int, default=280, help="PPO steps")
     p.add_argument("--test-freq", type=int, default=25, help="validate every this many steps")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--max-staleness", type=int, default=0, help="1 = asynchronous (with IS correction)")

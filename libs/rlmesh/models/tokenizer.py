@@ -13,6 +13,7 @@ tokens in SPECIAL_TOKENS order (``<|endoftext|>`` = 96, ``<|im_start|>`` = 97, `
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -54,8 +55,13 @@ def load_tokenizer(path: str | Path, **kwargs: object) -> PreTrainedTokenizerBas
     return tokenizer
 
 
-def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """The char-level tokenizer; saved with ``save_pretrained(out_dir)`` when out_dir is given."""
+def build_tokenizer(out_dir: str | Path | None = None, words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """The char-level tokenizer; saved with ``save_pretrained(out_dir)`` when out_dir is given.
+
+    ``words`` become whole tokens (ids from 100 on, in order), matched in text before the
+    per-character split as a BPE vocabulary's merges would be: a prompt's fixed wording then costs a
+    few tokens instead of one per character, and encode -> decode still gives back the text.
+    """
     vocab = {tok: i for i, tok in enumerate((*CHARS, *SPECIAL_TOKENS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # [\s\S] rather than "." so that newlines are split off too.
@@ -63,6 +69,11 @@ def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFas
     tok.decoder = decoders.Fuse()
     # Special tokens are matched before pre-tokenization, so "<|im_end|>" in text is one token.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if words:
+        bad = [w for w in words if not w or w in vocab or any(c not in CHARS for c in w)]
+        if bad:
+            raise ValueError(f"build_tokenizer words must be new strings of printable ASCII: {bad!r}")
+        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

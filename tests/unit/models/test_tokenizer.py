@@ -107,3 +107,28 @@ def test_load_tokenizer_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_pa
     tok = load_tokenizer(tmp_path)
     assert tok.pad_token_id == tok.eos_token_id == 1
     assert tok.encode("a a", add_special_tokens=False) == [2, 2]
+
+
+def test_words_are_whole_tokens_after_the_fixed_ids(tmp_path):
+    words = ("user", "What", " is", "####")
+    tok = build_tokenizer(tmp_path, words=words)
+    assert len(tok) == 100 + len(words)
+    assert tok.convert_tokens_to_ids(list(words)) == [100, 101, 102, 103]
+    assert tok.convert_tokens_to_ids(["\n", "<|im_end|>"]) == [0, 98]  # the fixed ids stay
+    text = "<|im_start|>user\nWhat is 12+7? #### 19<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.convert_ids_to_tokens(ids)[:5] == ["<|im_start|>", "user", "\n", "What", " is"]
+    assert (
+        len(ids) == len(text) - sum(len(w) - 1 for w in words) - len("<|im_start|>") - len("<|im_end|>") + 2
+    )
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nWhat is 12+7? #### 19"  # words are text
+    from rlmesh.models.tokenizer import load_tokenizer
+
+    assert load_tokenizer(tmp_path).encode(text) == ids
+
+
+@pytest.mark.parametrize("words", [("a",), ("",), ("tab\there",), ("<|im_end|>",)])
+def test_words_must_be_new_printable_strings(words):
+    with pytest.raises(ValueError, match="words"):
+        build_tokenizer(words=words)
