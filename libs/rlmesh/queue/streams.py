@@ -15,7 +15,8 @@
   ``forget``) is an orphan. One it handed out and that is not acked yet is never handed out
   again by it, however idle (the learner holds trajectories for a step or more untouched).
 - Invariant for consumers with several replicas: an entry a consumer is still working on must be
-  ``touch``-ed more often than every ``claim_idle_ms``, or another consumer takes it over.
+  ``touch``-ed more often than every ``claim_idle_ms``, or another consumer takes it over. One
+  it will not finish is ``release``-d: others take it over at their next claim.
 - ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work. A
   consumer that acks in a transaction of its own calls ``forget`` for them.
 - Poison entries (undecodable, or delivered more than ``max_deliveries`` times) move to the
@@ -411,6 +412,22 @@ class StreamQueue(Generic[M]):
         so others do not reclaim them; the delivery count is unchanged."""
         if entry_ids:
             await self.redis.xclaim(self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True)
+
+    async def release(self, entry_ids: Sequence[bytes]) -> None:
+        """Gives back entries this consumer will not finish (it is stopping, or its engine died):
+        they are made to look idle past ``claim_idle_ms`` so another consumer's next claim takes
+        them over now rather than after the timeout; the delivery count is unchanged."""
+        if entry_ids:
+            await self.redis.xclaim(
+                self.stream,
+                self.group,
+                self.consumer,
+                0,
+                list(entry_ids),
+                idle=2 * self.claim_idle_ms + 1000,
+                justid=True,
+            )
+        self.forget(entry_ids)
 
     async def _delivery_counts(self, entries: Sequence[tuple[bytes, object]]) -> dict[bytes, int]:
         if not entries:

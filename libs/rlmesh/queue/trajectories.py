@@ -10,6 +10,7 @@ set, so it is acked and dropped instead of counted twice.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlmesh.queue.streams import StreamQueue
@@ -72,11 +73,16 @@ class TrajectoryCollector:
         """Marks the batch's uids used and acks its entries, atomically."""
         await self.commit_ids(batch.uids, batch.entry_ids)
 
-    async def commit_ids(self, uids: list[str], entry_ids: list[bytes]) -> None:
-        """Marks ``uids`` used and acks ``entry_ids``, atomically."""
-        if not uids and not entry_ids:
+    async def commit_ids(
+        self, uids: list[str], entry_ids: list[bytes], forget_uids: Sequence[str] = ()
+    ) -> None:
+        """Marks ``uids`` used and acks ``entry_ids``, atomically; ``forget_uids`` (uids no copy of
+        can be taken any more) leave the used set in the same transaction, so it stays bounded."""
+        if not uids and not entry_ids and not forget_uids:
             return
         async with self.redis.pipeline(transaction=True) as pipe:
+            if forget_uids:
+                pipe.srem(self.used_uids_key, *forget_uids)
             if uids:
                 pipe.sadd(self.used_uids_key, *uids)
             if entry_ids:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
@@ -182,7 +182,8 @@ class BatchCollector:
             self._discarded_ids += group.entry_ids
             self._discarded_uids += [t.uid for t in group.trajectories]
 
-    async def commit(self, batch: StepBatch) -> None:
-        """Marks the step's uids used and acks its entries, in one transaction."""
-        await self.collector.commit_ids(batch.uids, batch.entry_ids)
+    async def commit(self, batch: StepBatch, forget_uids: Sequence[str] = ()) -> None:
+        """Marks the step's uids used and acks its entries, in one transaction (``forget_uids``
+        leave the used set: see ``TrajectoryCollector.commit_ids``)."""
+        await self.collector.commit_ids(batch.uids, batch.entry_ids, forget_uids)
         self._held.difference_update(batch.uids)

@@ -190,3 +190,17 @@ async def test_registry_lists_live_replicas_and_drops_silent_ones_after_the_ttl(
     assert await redis.smembers(keys.replicas) == {b"r2"}
     await long_lived.deregister("r2")
     assert await registry.live() == []
+
+
+async def test_released_tasks_are_taken_over_at_once_with_their_delivery_count(redis, keys):
+    producer = prompt_queue(redis, keys, "learner")
+    a = prompt_queue(redis, keys, "replica-a", claim_idle_ms=600_000)
+    b = prompt_queue(redis, keys, "replica-b", claim_idle_ms=600_000)
+    await a.ensure_group()
+    await producer.put(tasks(3))
+    got = await a.claim(3)
+    assert await b.claim(3) == []  # held by a, and far from idle
+    await a.release([d.entry_id for d in got[:2]])
+    taken = await b.claim(3)
+    assert [d.message.uid for d in taken] == ["t0", "t1"]
+    assert [d.deliveries for d in taken] == [2, 2]  # a's delivery, then b's: release adds none

@@ -68,7 +68,7 @@ def test_group_uids_carry_the_incarnation():
 
 
 async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_url):
-    redis, _keys, producer, learner, collector = await setup(redis_url)
+    redis, keys, producer, learner, collector = await setup(redis_url)
     a, b, c = (group_uid(3, 1, i) for i in range(3))
     await producer.put(group(a, 2) + group(b, 1))  # b is incomplete for now
     await producer.put(group(c, 2) + group(b, 2)[1:])
@@ -80,8 +80,9 @@ async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_
     assert await learner.pending() == 2  # the group left for the next step stays unacked
     nxt = await collector.collect(1, version=1, timeout_s=30, requeue=no_requeue)
     assert {t.group_uid for t in nxt.trajectories} == {left}
-    await collector.commit(nxt)
+    await collector.commit(nxt, forget_uids=batch.uids)  # the first step's uids leave the used set
     assert await learner.length() == 0
+    assert await redis.smembers(keys.used_uids) == {u.encode() for u in nxt.uids}
     await redis.aclose()
 
 

@@ -1,0 +1,85 @@
+"""One learner per run id: a Redis key held under a lease that its holder keeps renewing.
+
+Two learners on one run would both consume as ``learner-0`` and both trim the prompt stream. The
+second one waits for the key (a killed learner's lease runs out within ``lease_s``) and gives up
+with the holder's name when a live learner keeps renewing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+
+import redis.asyncio as aioredis
+
+from rlmesh.queue.client import TRANSIENT_ERRORS
+
+log = logging.getLogger("rlmesh.queue")
+
+# Renew or release only while the key still holds our token: a lease that ran out may be another's.
+# A key that expired while Redis was away (an outage longer than the lease) is taken again.
+_RENEW = (
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end "
+    "if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
+    "return 0"
+)
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class LeaseHeldError(RuntimeError):
+    """Another live process holds the lease."""
+
+
+class RunLease:
+    def __init__(self, redis: aioredis.Redis, key: str, lease_s: float, what: str = "learner") -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.redis = redis
+        self.key = key
+        self.lease_ms = int(lease_s * 1000)
+        self.what = what
+        self.token = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())})
+        self.lost = False  # set when a renewal found the key gone or someone else's
+
+    async def acquire(self, wait_s: float | None = None) -> None:
+        """Takes the lease, waiting up to ``wait_s`` (default 1.5 leases: a dead holder's runs out)."""
+        wait_s = 1.5 * self.lease_ms / 1000 if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        announced = False
+        while not await self.redis.set(self.key, self.token, nx=True, px=self.lease_ms):
+            holder = await self.redis.get(self.key)
+            if time.monotonic() > deadline:
+                raise LeaseHeldError(
+                    f"{self.key} is held by another {self.what} ({(holder or b'?').decode()}), which keeps "
+                    f"renewing it: one {self.what} per run id; stop that one or use another rlmesh.run_id"
+                )
+            if not announced:
+                log.warning(
+                    "%s is held (%s); waiting up to %.0f s for its lease to run out", self.key, holder, wait_s
+                )
+                announced = True
+            await asyncio.sleep(min(1.0, self.lease_ms / 3000))
+
+    async def keep(self) -> None:
+        """Renews every third of the lease until cancelled; sets ``lost`` once another holds the key.
+        Redis being away is not a loss: the first renewal after it decides (and takes the key back
+        if it expired meanwhile)."""
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                renewed = await self.redis.eval(_RENEW, 1, self.key, self.token, self.lease_ms)
+            except TRANSIENT_ERRORS as e:
+                log.warning("could not renew %s: %s", self.key, e)
+                continue
+            if not renewed:
+                self.lost = True
+                log.error("lost %s: another %s holds it now", self.key, self.what)
+                return
+
+    async def release(self) -> None:
+        await self.redis.eval(_RELEASE, 1, self.key, self.token)

@@ -1,0 +1,45 @@
+"""One learner per run id: ``RunLease`` against a real redis-server."""
+
+import asyncio
+
+import pytest
+
+from rlmesh.queue.lease import LeaseHeldError, RunLease
+
+
+async def test_a_second_holder_is_refused_while_the_first_renews(redis, keys):
+    key = keys.scoped("learner_lease")
+    first = RunLease(redis, key, lease_s=0.3)
+    await first.acquire()
+    keeper = asyncio.create_task(first.keep())
+    second = RunLease(redis, key, lease_s=0.3)
+    second.token = '{"host": "other", "pid": 2}'
+    with pytest.raises(LeaseHeldError, match=r"held by another learner \(.*\"pid\": "):
+        await second.acquire(wait_s=1.0)  # three leases: only renewals keep it
+    keeper.cancel()
+    await first.release()
+    await second.acquire(wait_s=0)  # released: taken at once
+    assert await redis.get(key) == second.token.encode()
+
+
+async def test_a_dead_holders_lease_runs_out_and_is_taken(redis, keys):
+    key = keys.scoped("learner_lease")
+    await RunLease(redis, key, lease_s=0.2).acquire()  # never renewed: a holder killed with -9
+    late = RunLease(redis, key, lease_s=0.2)
+    late.token = "late"
+    await late.acquire(wait_s=5)
+    assert await redis.get(key) == b"late"
+
+
+async def test_a_holder_learns_it_lost_the_key_and_takes_back_an_expired_one(redis, keys):
+    key = keys.scoped("learner_lease")
+    lease = RunLease(redis, key, lease_s=0.15)
+    await lease.acquire()
+    await redis.delete(key)  # expired while Redis was away: the next renewal takes it back
+    keeper = asyncio.create_task(lease.keep())
+    while await redis.pttl(key) < 0:
+        await asyncio.sleep(0.01)
+    assert await redis.get(key) == lease.token.encode() and not lease.lost
+    await redis.set(key, "someone else")
+    await asyncio.wait_for(keeper, timeout=5)  # returns once it sees another holder
+    assert lease.lost
