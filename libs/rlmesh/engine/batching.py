@@ -28,6 +28,10 @@ from rlmesh.runtime.busy import BusyTracker
 log = logging.getLogger("rlmesh.engine")
 
 
+class DuplicateRequestError(ValueError):
+    """A request reuses the rid of one still running."""
+
+
 @dataclass
 class Sequence:
     request: GenerationRequest
@@ -101,6 +105,11 @@ class BatchEngine:
         self._thread.join(timeout=30)
 
     def submit(self, request: GenerationRequest) -> None:
+        """Queues a request; raises ``DuplicateRequestError`` while one with its rid is running
+        (it would replace that one, which then never completes)."""
+        with self._cond:
+            if request.rid in self._requests:
+                raise DuplicateRequestError(f"rid {request.rid!r} is already running; use another rid")
         p = request.params
         for i, (prompt, k) in enumerate(itertools.product(request.prompts, range(p.n))):
             seed = None if p.sampling_seed is None else p.sampling_seed + k

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 
-from rlmesh.engine.batching import BatchEngine, GenerationRequest  # noqa: E402
+from rlmesh.engine.batching import BatchEngine, DuplicateRequestError, GenerationRequest  # noqa: E402
 from rlmesh.engine.sampling import SamplingParamsError, parse_sampling_params  # noqa: E402
 from rlmesh.engine.weights import EngineWeights, WeightUpdateError, check_load_format  # noqa: E402
 from rlmesh.runtime.logs import configure_logging  # noqa: E402
@@ -97,6 +97,29 @@ def parse_input_ids(body: dict[str, Any], vocab_size: int) -> tuple[list[list[in
     return prompts, batched
 
 
+MAX_BODY_BYTES = 64 << 20
+# Sequences one request may ask for (prompts x n): each holds a KV cache and a batch slot.
+MAX_SEQUENCES_PER_REQUEST = 4096
+
+
+def check_generate_limits(prompts: list[list[int]], params: Any, batched: bool, context: int) -> None:
+    """Refuses, naming the field, what the engine could not serve: more sequences than
+    ``MAX_SEQUENCES_PER_REQUEST``, or a prompt whose length plus ``max_new_tokens`` exceeds the
+    model's context."""
+    sequences = len(prompts) * params.n
+    if sequences > MAX_SEQUENCES_PER_REQUEST:
+        raise ValueError(
+            f"{len(prompts)} prompt(s) x sampling_params.n={params.n} = {sequences} sequences; "
+            f"at most {MAX_SEQUENCES_PER_REQUEST} per request"
+        )
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + params.max_new_tokens > context:
+            raise ValueError(
+                f"input_ids{f'[{i}]' if batched else ''}: {len(prompt)} tokens + sampling_params.max_new_tokens="
+                f"{params.max_new_tokens} exceed the model's context of {context} tokens"
+            )
+
+
 def create_app(
     model_path: str,
     *,
@@ -120,6 +143,7 @@ def create_app(
     eos = eos if eos is not None else model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     vocab_size = model.config.vocab_size
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
     engine = BatchEngine(
         model,
@@ -197,11 +221,15 @@ def create_app(
             params = parse_sampling_params(sp_raw)
             if params.stop and decode is None:
                 raise ValueError("sampling_params.stop needs a tokenizer; this engine runs without one")
+            check_generate_limits(prompts, params, batched, context)
         except (ValueError, SamplingParamsError) as e:
             return bad_request(str(e))
         rid = str(body.get("rid") or uuid.uuid4().hex)
+        try:
+            request = await run_generate(prompts, params, rid)
+        except DuplicateRequestError as e:
+            return bad_request(str(e))
         metrics.prompt_tokens.inc(sum(map(len, prompts)) * params.n)
-        request = await run_generate(prompts, params, rid)
         outs = render(request, bool(body.get("return_logprob")))
         metrics.tokens.inc(sum(o["meta_info"]["completion_tokens"] for o in outs))
         for o in outs:
@@ -281,8 +309,15 @@ def create_app(
         return ack(True, f"aborted {n} request(s)")
 
     async def body_of(req: Request, *required: str) -> dict[str, Any]:
+        declared = req.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else 0
+        if size <= MAX_BODY_BYTES:  # a declared size past the limit is refused before reading it
+            raw = await req.body()
+            size = len(raw)
+        if size > MAX_BODY_BYTES:
+            raise ValueError(f"request body is {size} bytes; this engine takes at most {MAX_BODY_BYTES}")
         try:
-            body = json.loads(await req.body() or b"{}")
+            body = json.loads(raw or b"{}")
         except ValueError as e:
             raise ValueError(f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):

@@ -69,12 +69,31 @@ def test_generate_batch_with_n_answers_a_prompt_major_list(engine):
         ),
         ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
         ({"text": "hello"}, "takes input_ids only"),
+        # The tiny model's context is 1024 tokens (max_position_embeddings).
+        (
+            {"input_ids": [[1], [1] * 1000], "sampling_params": {"max_new_tokens": 30}},
+            "input_ids[1]: 1000 tokens + sampling_params.max_new_tokens=30 exceed the model's context of 1024",
+        ),
+        (
+            {"input_ids": [[1], [2]], "sampling_params": {"n": 2049}},
+            "2 prompt(s) x sampling_params.n=2049 = 4098 sequences; at most 4096 per request",
+        ),
     ],
 )
 def test_bad_requests_get_400_naming_what_is_wrong(engine, body, message):
     r = post(engine, "/generate", body)
     assert r.status_code == 400
     assert message in r.json()["error"]["message"]
+
+
+def test_an_oversized_body_is_refused_before_it_is_parsed(engine):
+    body = b'{"input_ids": [' + b"1," * (33 << 20) + b"1]}"  # 66 MiB
+    r = httpx.post(engine.url + "/generate", content=body, timeout=120)
+    assert r.status_code == 400 and f"request body is {len(body)} bytes" in r.json()["error"]["message"]
+    assert (
+        post(engine, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}).status_code
+        == 200
+    )
 
 
 def test_malformed_json_gets_400_and_the_engine_keeps_serving(engine):
@@ -233,6 +252,9 @@ async def test_paused_engine_holds_requests_and_abort_ends_them(engine):
             info = httpx.get(engine.url + "/get_server_info").json()
             await asyncio.sleep(0.01)
         assert not pending.done()
+        # A second request under a running one's rid is refused, not put in its place.
+        again = post(engine, "/generate", {"input_ids": [4], "rid": "held", "sampling_params": {}})
+        assert again.status_code == 400 and "rid 'held' is already running" in again.text
         await client.abort_request("held")
         out = await pending
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
