@@ -4,8 +4,8 @@ One replica = this process + its engine (the embedded engine as a child process,
 server launched or attached). It registers in the run's replica registry with a heartbeat,
 loads the run's current weights before it claims work when it joins mid-run, runs the sampler
 loop, and serves ``rlmesh.v1.Rollout``. On SIGTERM it stops claiming, finishes in-flight tasks
-within the grace period (the rest are reclaimed by other replicas), deregisters and stops its
-engine.
+within the grace period (the rest go back to the queue for other replicas), deregisters and stops
+its engine. If the engine dies it does the same at once and exits 3, for its supervisor to restart.
 """
 
 from __future__ import annotations
@@ -158,18 +158,41 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
             state=servicer.current_state(),
         )
 
+    engine_lost: list[str] = []  # why the engine is gone; then this replica ends
+
+    async def lose_engine(why: str) -> None:
+        # Nothing else can bring the engine back from here: leave the registry (no more pushes or
+        # work for us), give the tasks back and exit non-zero so the supervisor starts a new replica.
+        log.error("engine lost (%s): leaving the run; in-flight tasks go back to the queue", why)
+        engine_lost.append(why)
+        await service.set_serving(False)
+        await deregister()
+        service.exit_code = 3
+        service.request_stop()
+
     async def heartbeat() -> None:
         # The engine is the truth about its weights (the learner may push to it directly).
-        while True:
-            with contextlib.suppress(Exception):
+        unreachable_since: float | None = None
+        while not engine_lost:
+            if engine.process is not None and not engine.process.alive():
+                code = engine.process.popen.returncode
+                await lose_engine(f"its process exited with code {code}; log {engine.process.log_path}")
+                return
+            try:
                 info = await engine.client.model_info()
                 sampler.policy_version = max(
                     sampler.policy_version, parse_version(info.get("weight_version"))
                 )
+                unreachable_since = None
+            except Exception as e:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > sampler_cfg.engine_lost_after_s:
+                    await lose_engine(f"unreachable for {sampler_cfg.engine_lost_after_s:.0f} s: {e}")
+                    return
             if servicer.state != "draining":
                 with contextlib.suppress(Exception):
                     await registry.register(registration())
-            await asyncio.sleep(registry.ttl_ms / 3000)
+            await asyncio.sleep(min(registry.ttl_ms / 3000, 1.0))
 
     background: list[asyncio.Task[None]] = []
 
@@ -179,9 +202,10 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
         background.append(asyncio.create_task(sampler.run()))
 
     async def shutdown() -> None:
-        unfinished = await sampler.stop(cfg.rlmesh.runtime.shutdown_grace_s)
+        # Without an engine nothing in flight can finish: give it all back at once.
+        unfinished = await sampler.stop(0.0 if engine_lost else cfg.rlmesh.runtime.shutdown_grace_s)
         if unfinished:
-            log.warning("%d task(s) unfinished at shutdown; other replicas reclaim them", unfinished)
+            log.warning("%d task(s) unfinished at shutdown; given back to the queue", unfinished)
         for task in background:
             task.cancel()
         await deregister()

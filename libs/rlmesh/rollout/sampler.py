@@ -24,9 +24,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rlmesh.engine.client import EngineClient
+from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.queue.client import TRANSIENT_ERRORS, retry_forever
-from rlmesh.queue.streams import Delivery, StreamQueue
+from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
 
@@ -194,10 +194,19 @@ class SamplerLoop:
         return 0
 
     async def stop(self, timeout_s: float) -> int:
+        """``drain`` for up to ``timeout_s``, then gives up on what is left: those tasks are
+        cancelled and released to the queue, so other replicas take them over at once."""
         unfinished = await self.drain(timeout_s)
         self._stop.set()
+        entries = list(self._in_flight)
         for task in self._in_flight.values():
             task.cancel()
+        if entries:
+            await asyncio.wait(list(self._in_flight.values()), timeout=5.0)
+            try:
+                await self.prompts.release(entries)
+            except TRANSIENT_ERRORS as e:  # they are reclaimed after claim_idle_ms instead
+                log.warning("could not release %d unfinished task(s): %s", len(entries), e)
         return unfinished
 
     # ----- the loop -----
@@ -259,7 +268,7 @@ class SamplerLoop:
         task = delivery.message
         try:
             trajectories = await self._sample(task)
-            await retry_forever(lambda: self.trajectories.put(trajectories), f"publish {task.uid}")
+            await self._publish(task, trajectories)
             await retry_forever(lambda: self.prompts.ack([delivery.entry_id]), f"ack {task.uid}")
         except (Stopped, asyncio.CancelledError):
             # Not acked: it stays pending and is reclaimed by another replica.
@@ -281,6 +290,24 @@ class SamplerLoop:
         self.tasks_done += 1
         self.metrics.tasks.labels("done").inc()
         self.metrics.trajectories.inc(len(trajectories))
+
+    async def _publish(
+        self, task: trajectory_pb2.PromptTask, trajectories: list[trajectory_pb2.Trajectory]
+    ) -> None:
+        """A full trajectory stream is back-pressure: wait for the learner to consume and try
+        again (the task stays in flight, touched, so nobody reclaims it); never drop the samples."""
+        delay = self.settings.backoff_s
+        while True:
+            try:
+                await retry_forever(lambda: self.trajectories.put(trajectories), f"publish {task.uid}")
+                return
+            except QueueFullError as e:
+                if self._stop.is_set():
+                    raise Stopped() from e
+                self.metrics.retries.labels("trajectory_stream").inc()
+                log.warning("task %s: %s; waiting %.1f s for the learner to consume", task.uid, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.max_backoff_s)
 
     async def _sample(self, task: trajectory_pb2.PromptTask) -> list[trajectory_pb2.Trajectory]:
         t0 = time.monotonic()
@@ -368,12 +395,28 @@ class SamplerLoop:
         """Generates, retrying while the engine is unreachable or failing (5xx); a 4xx refusal of
         the request itself is raised at once."""
 
-        return await self._call(
-            lambda _: self.engine.generate(list(task.prompt_ids), params, return_logprob=True, rid=task.uid),
-            None,
-            self.engine_breaker,
-            "engine",
-        )
+        async def generate(_: None) -> Any:
+            out = await self.engine.generate(list(task.prompt_ids), params, return_logprob=True, rid=rid())
+            aborted = [o for o in (out if isinstance(out, list) else [out]) if _finish_type(o) == "abort"]
+            if aborted:
+                # Cut short (aborted by an operator, or by an engine failure): never trained on.
+                raise EngineError(
+                    f"{self.engine.name}: {len(aborted)} sample(s) of task {task.uid} were aborted "
+                    f"({aborted[0]['meta_info']['finish_reason'].get('message', '')}); generating again",
+                    status=503,
+                )
+            return out
+
+        attempt = 0
+
+        def rid() -> str:
+            # A fresh request id per attempt: the engine refuses one that is still running, and a
+            # retry must not wait on (or be confused with) the request it replaces.
+            nonlocal attempt
+            attempt += 1
+            return f"{task.uid}#{attempt}"
+
+        return await self._call(generate, None, self.engine_breaker, "engine")
 
     async def _scores(
         self, task: trajectory_pb2.PromptTask, trajs: Sequence[trajectory_pb2.Trajectory]
@@ -431,6 +474,11 @@ class SamplerLoop:
         )
         self.metrics.breaker_open.labels(name).set(0)
         return result
+
+
+def _finish_type(output: dict[str, Any]) -> str:
+    reason = output.get("meta_info", {}).get("finish_reason") or {}
+    return str(reason.get("type", "")) if isinstance(reason, dict) else str(reason)
 
 
 async def _none() -> tuple[None, float]:

@@ -94,7 +94,7 @@ async def start_server(servicer, add_fn, name, port=0):
     return service
 
 
-async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, **settings):
+async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, traj_maxlen=100_000, **settings):
     redis = connect(redis_url)
     reward_ch = grpc.aio.insecure_channel(reward_addr)
     ref_ch = grpc.aio.insecure_channel(ref_addr)
@@ -119,7 +119,7 @@ async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, **set
 
     sampler = SamplerLoop(
         prompts=prompt_queue(redis, keys, "replica-1"),
-        trajectories=trajectory_queue(redis, keys, "replica-1"),
+        trajectories=trajectory_queue(redis, keys, "replica-1", maxlen=traj_maxlen),
         engine=EngineClient(engine_url),
         score=score,
         ref_logprobs=ref,
@@ -170,7 +170,7 @@ def reference_model(model_dir):
 
 
 @contextlib.asynccontextmanager
-async def running_sampler(stack, reference_model, *, reward_up=True, **settings):
+async def running_sampler(stack, reference_model, *, reward_up=True, traj_maxlen=100_000, **settings):
     """A sampler on the real engine with fresh queues, a reference server and (unless
     ``reward_up=False``) a reward server on ``ctx.reward_port``; everything stops on exit,
     servers the test appended to ``ctx.servers`` included. ``settings`` override the
@@ -190,7 +190,13 @@ async def running_sampler(stack, reference_model, *, reward_up=True, **settings)
             )
         )
     sampler, redis, chans = await make_sampler(
-        redis_server.url, engine.url, keys, f"127.0.0.1:{reward_port}", servers[0].address, **settings
+        redis_server.url,
+        engine.url,
+        keys,
+        f"127.0.0.1:{reward_port}",
+        servers[0].address,
+        traj_maxlen=traj_maxlen,
+        **settings,
     )
     runner = asyncio.create_task(sampler.run())
     prompts = prompt_queue(redis, keys, "learner")
@@ -297,3 +303,54 @@ async def test_pause_and_drain_end_a_blocked_claim_and_nothing_is_claimed_until_
         assert await blocked_reads(ctx.redis) == 0 and not ctx.sampler.claim_in_progress
         await ctx.prompts.put([task("p3", n=1)])
         assert await ctx.prompts.pending() == 0 and await ctx.prompts.unread() == 1
+
+
+async def test_an_aborted_generation_is_generated_again_and_never_published(stack, reference_model):
+    _, engine = stack
+    client = EngineClient(engine.url)
+    async with running_sampler(stack, reference_model) as ctx:
+        await client.pause_generation()
+        try:
+            await ctx.prompts.put([task("cut", n=2)])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while (await client.server_info()).get("waiting", 0) == 0:
+                assert loop.time() < deadline, "the task never reached the engine"
+                await asyncio.sleep(0.02)
+            await client.abort_request(abort_all=True)  # the replica gets finish_reason "abort"
+            while ctx.sampler.metrics.retries.labels("engine")._value.get() < 1:
+                assert loop.time() < deadline, "the aborted generation was not retried"
+                await asyncio.sleep(0.02)
+        finally:
+            await client.continue_generation()
+            await client.aclose()
+        trajs = await collect(ctx.redis, ctx.keys, 2)
+        assert sorted(t.uid for t in trajs) == ["g-cut/0", "g-cut/1"]
+        assert {t.finish_reason for t in trajs} == {"length"} and all(len(t.response_ids) == 6 for t in trajs)
+        # The aborted pair would have been published first: only the regenerated pair is there.
+        assert await ctx.redis.xlen(ctx.keys.trajectories) == 2
+        assert await ctx.redis.xlen(ctx.keys.dead_letters) == 0
+
+
+async def test_a_full_trajectory_stream_holds_the_task_until_the_learner_consumes(stack, reference_model):
+    async with running_sampler(stack, reference_model, traj_maxlen=4) as ctx:
+        await ctx.prompts.put([task("first", n=3)])
+        learner = trajectory_queue(ctx.redis, ctx.keys, "learner")
+        await learner.ensure_group()
+        first = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while len(first) < 3:
+            assert loop.time() < deadline
+            first += await learner.claim(3, block_ms=200)
+        await ctx.prompts.put([task("second", n=2)])  # 3 + 2 > 4: must wait, not be dropped
+        while ctx.sampler.metrics.retries.labels("trajectory_stream")._value.get() < 2:
+            assert loop.time() < deadline, "the sampler never met the full stream"
+            await asyncio.sleep(0.02)
+        assert await ctx.redis.xlen(ctx.keys.dead_letters) == 0 and await ctx.prompts.pending() == 1
+        await learner.ack([d.entry_id for d in first])  # the learner consumed: room again
+        second = await collect(ctx.redis, ctx.keys, 2)
+        assert sorted(t.uid for t in second) == ["g-second/0", "g-second/1"]
+        while await ctx.prompts.length():
+            assert loop.time() < deadline, "the held task was never acked"
+            await asyncio.sleep(0.02)

@@ -20,6 +20,7 @@ class ScriptedQueue:
         self.claims = 0
         self.interrupts = 0
         self.claiming = asyncio.Event()  # set when a claim starts
+        self.released: list[bytes] = []
         self._answer: asyncio.Future | None = None
 
     async def ensure_group(self) -> None:
@@ -30,6 +31,9 @@ class ScriptedQueue:
 
     def forget(self, entry_ids) -> None:
         pass
+
+    async def release(self, entry_ids) -> None:
+        self.released += entry_ids
 
     async def claim(self, count, block_ms=None):
         self.claims += 1
@@ -98,3 +102,6 @@ async def test_tasks_the_last_claim_got_are_in_flight_when_pause_returns(sampler
     queue.answer([Delivery(entry_id=b"1-0", message=trajectory_pb2.PromptTask(uid="a", n=1), deliveries=1)])
     await loop.pause()
     assert loop.in_flight == 1 and not loop.claim_in_progress and queue.claims == 1
+    # Stopping gives up on it at once (no grace) and hands it back for another replica.
+    assert await loop.stop(0) == 1
+    assert queue.released == [b"1-0"] and loop.in_flight == 0
