@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 
@@ -81,6 +82,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     ) -> learner_pb2.UpdateHyperparamsResponse:
         given = {k: getattr(request, k) for k in HPARAM_KEYS if request.HasField(k)}
         for key, value in given.items():
+            if not math.isfinite(value):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be a finite number"
+                )
             if value < 0 or (key == "lr" and value == 0):
                 allowed = "> 0" if key == "lr" else ">= 0"
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be {allowed}")

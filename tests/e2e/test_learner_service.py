@@ -154,6 +154,10 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
             with pytest.raises(grpc.RpcError) as bad:
                 stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(lr=-1.0))
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lr=-1.0" in bad.value.details()
+            for value in (float("nan"), float("inf")):
+                with pytest.raises(grpc.RpcError) as bad:
+                    stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(kl_coef=value))
+                assert "must be a finite number" in bad.value.details()
             stub.Resume(common_pb2.Empty())
             wait_until(lambda: stub.GetStatus(common_pb2.Empty()).step > held, 300, "training to go on")
             status = stub.GetStatus(common_pb2.Empty())

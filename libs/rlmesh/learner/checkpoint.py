@@ -36,6 +36,7 @@ __all__ = [
     "is_complete",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -70,6 +71,22 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         return None
     done = [p for p in base.iterdir() if p.is_dir() and is_complete(p)]
     return str(max(done, key=_order_key)) if done else None
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep: int | None) -> list[str]:
+    """After a save (rank 0, no save running): deletes the complete checkpoints under ``root``
+    beyond the newest ``keep`` (None: keeps all) and every leftover of a save that died half-way
+    (``.tmp-`` / ``.old-`` directories). Returns what it deleted."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    gone = [p for p in base.iterdir() if p.is_dir() and (TMP_INFIX in p.name or OLD_INFIX in p.name)]
+    if keep is not None:
+        done = sorted((p for p in base.iterdir() if p.is_dir() and is_complete(p)), key=_order_key)
+        gone += done[: max(0, len(done) - keep)]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return [str(p) for p in gone]
 
 
 def capture_rng_state() -> dict[str, Any]:

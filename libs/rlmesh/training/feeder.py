@@ -7,6 +7,7 @@ are recognised and discarded, because the restored data cursor enqueues those pr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import uuid
@@ -20,6 +21,15 @@ from rlmesh.v1 import common_pb2, trajectory_pb2
 
 def group_uid(incarnation: int, step: int, item_index: int) -> str:
     return f"i{incarnation}:s{step}:d{item_index}:{uuid.uuid4().hex[:8]}"
+
+
+def index_of(group: str) -> int:
+    """The dataset index encoded in a group uid, or -1 (a prompt rlmesh did not draw from the data)."""
+    parts = group.split(":")
+    if len(parts) >= 3 and parts[2].startswith("d"):
+        with contextlib.suppress(ValueError):
+            return int(parts[2][1:])
+    return -1
 
 
 def incarnation_of(group: str) -> int:
@@ -82,7 +92,12 @@ class PromptFeeder:
             self._cursor_before[s] = copy.deepcopy(self.sampler.state_dict())
             items = [self.dataset[i] for i in self.sampler.next_indices(self.batch_size)]
             tasks = [self.make_task(item, s, version) for item in items]
-            await self.queue.put(tasks)
+            try:
+                await self.queue.put(tasks)
+            except BaseException:
+                # Not enqueued: the next try must draw the same prompts for step s.
+                self.sampler.load_state_dict(self._cursor_before.pop(s))
+                raise
             self.enqueued[s] = [t.group_uid for t in tasks]
             self.outstanding.update({t.group_uid: (s, t, 1) for t in tasks})
             added.append(s)
@@ -92,7 +107,7 @@ class PromptFeeder:
         """Enqueues a prompt again under a new group uid, in place of group ``replaces`` (its samples
         came back too stale, or were lost)."""
         _, _, times = self.outstanding.pop(replaces)
-        gid = group_uid(self.incarnation, step, -1)
+        gid = group_uid(self.incarnation, step, index_of(replaces))  # the same prompt
         fresh = trajectory_pb2.PromptTask()
         fresh.CopyFrom(task)
         fresh.uid = fresh.group_uid = gid

@@ -14,10 +14,13 @@ k was pushed, so every trajectory of step k comes from the weights of step k.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import shutil
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,19 +42,24 @@ from rlmesh.queue import (
     TrajectoryCollector,
     connect,
     prompt_queue,
+    retry_forever,
     trajectory_queue,
 )
+from rlmesh.queue.client import TRANSIENT_ERRORS
+from rlmesh.queue.lease import RunLease
 from rlmesh.reward.client import RewardClient
 from rlmesh.rollout.policy import publish_policy
 from rlmesh.training.collect import BatchCollector, StepBatch
-from rlmesh.training.feeder import PromptFeeder
+from rlmesh.training.feeder import PromptFeeder, index_of
 from rlmesh.training.recovery import LostGroupRecovery
 from rlmesh.training.sinks import MetricsSinks
 from rlmesh.training.validation import val_sampling, validate
 from rlmesh.v1 import common_pb2, trajectory_pb2
-from rlmesh.weights.push import WeightPusher
+from rlmesh.weights.push import WeightPusher, WeightPushError
 
 log = logging.getLogger("rlmesh.learner")
+# How long the learner waits for an unreachable Redis before the run fails.
+REDIS_DEADLINE_S = 300.0
 
 PHASES = (
     "STARTING",
@@ -224,7 +232,13 @@ class TrainingLoop:
             project=cfg.trainer.project_name,
             experiment=cfg.trainer.experiment_name,
         )
-        self.used_uids: set[str] = set()
+        # Uids of the last max_staleness + 2 committed steps: the used set in Redis holds these
+        # only. A copy of an older step's sample cannot be taken anyway (its group is no longer
+        # outstanding, or of an older incarnation), so the set does not grow with the run.
+        self.used_window: deque[list[str]] = deque()
+        # What each committed step trained on, one line per step (a resumed run appends the steps
+        # it redoes again: the last line of a step counts). The chaos tests audit runs with it.
+        self.groups_path = None if follower else out_dir / "trained_groups.jsonl"
         self._redis: aioredis.Redis | None = None
 
     # ----- setup -----
@@ -232,6 +246,12 @@ class TrainingLoop:
         cfg = self.cfg
         q = cfg.rlmesh.queue
         self._redis = redis = connect(cfg.rlmesh.redis_url)
+        # Before anything else touches the run's keys: a second learner would trim the prompt
+        # stream under the first one and consume its trajectories.
+        self.lease = RunLease(redis, self.keys.scoped("learner_lease"), lease_s=2 * q.heartbeat_ttl_s)
+        self.progress(f"taking the learner lease of run {self.keys.run_id}")
+        await self.lease.acquire()
+        self._lease_task = asyncio.create_task(self.lease.keep())
         self.incarnation = int(await redis.incr(self.keys.scoped("learner_incarnation")))
         prompts = prompt_queue(
             redis,
@@ -315,7 +335,7 @@ class TrainingLoop:
         self.state.version = int(extra["version"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         self.sampler.load_state_dict(extra["data_cursor"])
-        self.used_uids = set(extra.get("used_uids", []))
+        self.used_window = deque([list(extra.get("used_uids", []))])
         self.state.last_checkpoint = path
 
     # ----- collectives: rank 0 announces, then runs its own part -----
@@ -354,7 +374,9 @@ class TrainingLoop:
     # ----- weight sync -----
     async def _live_engines(self) -> list[trajectory_pb2.ReplicaRegistration]:
         """Live replicas from the registry; the pusher targets exactly their engines."""
-        live = [r for r in await self.replicas.live() if r.state != "draining"]
+        live = [
+            r for r in await retry_forever(self.replicas.live, "read the replicas") if r.state != "draining"
+        ]
         self.state.live_replicas = len(live)
         timeout = self.cfg.rlmesh.weight_sync.timeout_s
         known = {link.client.url: link.client for link in self.pusher.links}
@@ -380,21 +402,34 @@ class TrainingLoop:
                 return 0.0
         t0 = time.monotonic()
         version = self.state.version
-        if self.cfg.rlmesh.weight_sync.transport == "disk":
-            path = await asyncio.to_thread(self._export_snapshot, version)
-            report = await self.pusher.load_from_disk(path, version, only=only)
-        else:
-            path = None
-            report = await self.pusher.push_buckets(self._weight_buckets(), version, only=only)
-        for name, why in report.failed.items():
-            log.error("replica %s dropped from this push: %s", name, why)
-        await publish_policy(self._redis, self.keys, version, path)
+        path = None
+        try:
+            if self.cfg.rlmesh.weight_sync.transport == "disk":
+                path = await asyncio.to_thread(self._export_snapshot, version)
+                report = await self.pusher.load_from_disk(path, version, only=only)
+            else:
+                report = await self.pusher.push_buckets(self._weight_buckets(), version, only=only)
+            failed = report.failed
+        except WeightPushError as e:
+            # No replica took them: each is dead, restarting or cut off. Not the run's end: the
+            # live ones get them while the next batch is awaited (only_behind), a dead one leaves
+            # the registry, and a restarted one joins behind and is brought up the same way.
+            failed = e.failed
+        for name, why in failed.items():
+            log.error("replica %s dropped from the push of v%d: %s", name, version, why)
+        await retry_forever(
+            lambda: publish_policy(self._redis, self.keys, version, path), "publish the policy"
+        )
         return time.monotonic() - t0
 
     def _export_snapshot(self, version: int) -> str:
         root = Path(self.cfg.rlmesh.weight_sync.disk_dir or self.checkpoint_root / "weights")
         path = root / f"v{version}"
         self._collective("export", str(path))  # collective under ZeRO-3: every rank takes part
+        # The previous snapshot stays (a replica may be loading it); older ones go.
+        for old in root.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
         return str(path)
 
     # ----- one step -----
@@ -415,23 +450,35 @@ class TrainingLoop:
             nonlocal last_sync
             self.state.message = f"step {step}: {have}/{want} prompt groups collected"
 
+        unreachable_since: float | None = None
         while True:
             try:
-                return await self.collector.collect(
-                    cfg.data.train_batch_size,
-                    self.state.version,
-                    timeout_s=5.0,
-                    requeue=requeue,
-                    on_progress=progress,
-                )
-            except TimeoutError:
-                # Nothing complete yet: a replica may have joined behind our version; bring it up.
+                try:
+                    return await self.collector.collect(
+                        cfg.data.train_batch_size,
+                        self.state.version,
+                        timeout_s=5.0,
+                        requeue=requeue,
+                        on_progress=progress,
+                    )
+                except TimeoutError:  # the builtin one: nothing complete yet
+                    pass
+                # A replica may have joined behind our version; bring it up.
                 if time.monotonic() - last_sync > 5:
                     await self.push_weights(only_behind=True)
                     last_sync = time.monotonic()
                 if self.state.stop_requested:
                     raise _StoppedWhileWaiting from None
                 await self.recovery.check(self.state.version)
+                unreachable_since = None
+            except TRANSIENT_ERRORS as e:
+                # Redis away (restarting from its append-only file, or cut off): wait for it. What
+                # this round had claimed stays pending and is taken back as orphaned.
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > REDIS_DEADLINE_S:
+                    raise
+                log.warning("step %d: Redis unavailable while collecting (%s); retrying", step, e)
+                await asyncio.sleep(1.0)
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -470,6 +517,10 @@ class TrainingLoop:
                 await self.reward.close()
             if hasattr(self, "pusher"):
                 await self.pusher.close()
+            if hasattr(self, "_lease_task"):
+                self._lease_task.cancel()
+                with contextlib.suppress(Exception):
+                    await self.lease.release()
             if self._redis is not None:
                 await self._redis.aclose()
 
@@ -509,9 +560,13 @@ class TrainingLoop:
     async def _step(self) -> None:
         cfg, st = self.cfg, self.state
         step = st.step + 1
+        if self.lease.lost:
+            raise RuntimeError(f"another learner took over run {self.keys.run_id}: this one stops")
         t_step = time.monotonic()
         st.phase = "WAITING_FOR_ROLLOUTS"
-        await self.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness)
+        await retry_forever(
+            lambda: self.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness), "enqueue prompts"
+        )
         t0 = time.monotonic()
         collected = await self._collect(step)
         self.feeder.taken(collected.groups)
@@ -532,12 +587,16 @@ class TrainingLoop:
         t_push = await self.push_weights()
         push_start = time.time() - t_push
         is_last = step >= st.total_steps
+        # Before the checkpoint: a step that a checkpoint covers is never redone, so its record
+        # must exist by then (one written and then redone after a crash is written again).
+        self._record_groups(step, collected)
         if (
             cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or is_last)
         ) or st.checkpoint_requests:
             await self._checkpoint(step)
-        await self.collector.commit(collected)
-        self.used_uids.update(collected.uids)
+        expired = self.used_window.popleft() if len(self.used_window) > cfg.rlmesh.max_staleness + 1 else []
+        await retry_forever(lambda: self.collector.commit(collected, forget_uids=expired), "commit the step")
+        self.used_window.append(list(collected.uids))
         self.feeder.forget_before(step)
         response_tokens = sum(len(t.response_ids) for t in collected.trajectories)
         tokens = response_tokens + sum(len(t.prompt_ids) for t in collected.trajectories)
@@ -571,6 +630,20 @@ class TrainingLoop:
         st.step = step  # last: GetStatus then shows this step with its own metrics
         self.sinks.log(step, metrics)
 
+    def _record_groups(self, step: int, collected: StepBatch) -> None:
+        if self.groups_path is None:
+            return
+        samples = Counter(t.group_uid for t in collected.trajectories)
+        row = {
+            "step": step,
+            "incarnation": self.feeder.incarnation,
+            "prompts": [index_of(g) for g in collected.groups],
+            "groups": {g: samples[g] for g in collected.groups},
+        }
+        self.groups_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.groups_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
     async def _validate(self, step: int) -> dict[str, float]:
         assert self.val_set is not None
         prev, self.state.phase = self.state.phase, "VALIDATING"
@@ -599,13 +672,21 @@ class TrainingLoop:
             "version": self.state.version,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "data_cursor": self.feeder.cursor_after(step),
-            "used_uids": sorted(self.used_uids),
+            "used_uids": sorted(u for uids in self.used_window for u in uids),
             "run_id": self.keys.run_id,
         }
         await asyncio.to_thread(
             self._collective, "save", path, json.loads(json.dumps(extra, default=_jsonable))
         )
         self.state.last_checkpoint = path
+        trainer_cfg = self.cfg.trainer
+        limits = [k for k in (trainer_cfg.max_actor_ckpt_to_keep, trainer_cfg.max_critic_ckpt_to_keep) if k]
+        # A step's directory holds actor and critic together (a resume needs both): the larger
+        # limit decides. Leftovers of saves that died half-way go too.
+        from rlmesh.learner.checkpoint import prune_checkpoints
+
+        for gone in prune_checkpoints(self.checkpoint_root, max(limits) if limits else None):
+            log.info("removed checkpoint %s", gone)
         for _, fut in self.state.checkpoint_requests:
             if not fut.done():
                 fut.set_result(path)

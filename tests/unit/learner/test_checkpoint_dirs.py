@@ -39,3 +39,28 @@ def test_finalize_renames_and_replaces(tmp_path):
     assert not tmp.exists() and is_complete(final)
     assert (final / "new.txt").exists() and not (final / "old.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]
+
+
+def test_prune_keeps_the_newest_and_removes_leftovers_of_dead_saves(tmp_path):
+    from rlmesh.learner.checkpoint import prune_checkpoints
+
+    for step in (2, 4, 10, 12):
+        _complete(tmp_path / f"global_step_{step}")
+    _complete(tmp_path / "global_step_14.tmp-4242")  # a save that died before its rename
+    (tmp_path / "global_step_12.old-4242").mkdir()  # one that died after moving the old copy aside
+    (tmp_path / "global_step_16").mkdir()  # unmarked: not a checkpoint, not ours to judge
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    gone = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(os.path.basename(g) for g in gone) == [
+        "global_step_12.old-4242",
+        "global_step_14.tmp-4242",
+        "global_step_2",
+        "global_step_4",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step_10",
+        "global_step_12",
+        "global_step_16",
+        "metrics.jsonl",
+    ]
+    assert prune_checkpoints(tmp_path, keep=None) == []  # keep all: nothing left to remove
