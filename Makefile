@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
+.PHONY: help venv lock redis-server demo demo-seeds test chaos lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -55,6 +55,10 @@ demo-seeds: venv redis-server
 
 test: venv redis-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The chaos suite alone (also part of `make test`), printing how long each recovery took.
+chaos: venv redis-server
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/chaos
 
 lint: venv
 	$(BIN)/ruff check .

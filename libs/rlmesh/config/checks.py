@@ -104,6 +104,28 @@ def _engine_problems(name: str, fsdp_key: str, eff: EngineSettings) -> list[str]
     return problems
 
 
+def _queue_problems(cfg: RLMeshConfig) -> list[str]:
+    """The streams must hold what the learner keeps in flight: batches for ``max_staleness + 1``
+    steps and one more of requeued or late groups. Smaller, replicas would wait on a full
+    trajectory stream that the learner never drains, because it waits for a batch stuck in it."""
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    windows = cfg.rlmesh.max_staleness + 2
+    queue = cfg.rlmesh.queue
+    problems = []
+    if queue.prompt_stream_maxlen < batch * windows:
+        problems.append(
+            f"rlmesh.queue.prompt_stream_maxlen={queue.prompt_stream_maxlen} cannot hold the prompts in "
+            f"flight: it must be >= data.train_batch_size x (rlmesh.max_staleness + 2) = {batch * windows}"
+        )
+    if queue.trajectory_stream_maxlen < batch * n * windows:
+        problems.append(
+            f"rlmesh.queue.trajectory_stream_maxlen={queue.trajectory_stream_maxlen} cannot hold the "
+            f"samples in flight: it must be >= data.train_batch_size x {ROLLOUT}.n x "
+            f"(rlmesh.max_staleness + 2) = {batch * n * windows}"
+        )
+    return problems
+
+
 def cross_field_problems(cfg: RLMeshConfig) -> list[str]:
     """Every violated cross-field rule, as readable sentences; empty when the config is consistent."""
     problems = _batch_problems(cfg) + _token_budget_problems(cfg)
@@ -128,6 +150,7 @@ def cross_field_problems(cfg: RLMeshConfig) -> list[str]:
     )
     if cfg.uses_critic():
         problems += _engine_problems("critic", "critic.model.fsdp_config", cfg.critic.effective_engine())
+    problems += _queue_problems(cfg)
     sync = cfg.rlmesh.weight_sync
     if sync.transport == "disk" and not sync.disk_dir:
         problems.append("rlmesh.weight_sync.transport=disk needs rlmesh.weight_sync.disk_dir (got null)")

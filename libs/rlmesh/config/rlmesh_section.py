@@ -149,6 +149,12 @@ class RuntimeConfig(Section):
     health_timeout_s: float = Field(
         120.0, gt=0, description="how long a launcher waits for a service to become healthy, seconds"
     )
+    max_restarts_per_hour: int = Field(
+        6,
+        ge=0,
+        description="`rlmesh train` restarts a crashed replica, reward, reference or Redis at most this "
+        "often per hour each, then fails the job; 0 = a crash fails the job",
+    )
 
 
 class QueueConfig(Section):
@@ -184,6 +190,12 @@ class SamplerConfig(Section):
     engine_max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
     engine_startup_timeout_s: float = Field(
         600.0, gt=0, description="wait this long for the engine to be healthy"
+    )
+    engine_lost_after_s: float = Field(
+        30.0,
+        gt=0,
+        description="an engine unreachable this long (its process exiting: at once) ends the replica: it "
+        "deregisters, gives its tasks back and exits non-zero for its supervisor to restart it",
     )
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -81,6 +83,70 @@ class MetricsFollower:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+class RestartBudget:
+    """How often each service may be restarted: ``per_hour`` times in any hour."""
+
+    def __init__(self, per_hour: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_hour = per_hour
+        self.clock = clock
+        self.times: dict[str, list[float]] = {}
+
+    def take(self, name: str) -> int:
+        """Counts a restart of ``name``; returns its number within the hour, or 0 when over budget."""
+        now = self.clock()
+        recent = [t for t in self.times.get(name, []) if now - t < 3600]
+        if len(recent) >= self.per_hour:
+            return 0
+        self.times[name] = [*recent, now]
+        return len(recent) + 1
+
+
+class Supervisor:
+    """Restarts every service of ``stack`` that dies, except the learner (the job's own process: its
+    exit ends the job). Restarts run one at a time in a worker thread, so the progress lines and the
+    watch on the other services go on while a replica reloads its model. The worker lives as long
+    as the job: a child gets its parent-death signal when the thread that spawned it ends."""
+
+    def __init__(self, stack: Any, learner: Any, restarts: RestartBudget, say: Say) -> None:
+        self.stack, self.learner, self.restarts, self.say = stack, learner, restarts, say
+        self.restarting: set[str] = set()
+        self.failure = ""
+        self._todo: queue.Queue[tuple[str, str]] = queue.Queue()
+        threading.Thread(target=self._work, daemon=True, name="supervisor").start()
+
+    def check(self) -> str:
+        """Queues a restart for each newly dead service; returns why the job must fail instead (a
+        service over its restart budget, or one that did not come back healthy), else ""."""
+        for name, proc in self.stack.processes():
+            if proc is self.learner or proc.alive() or name in self.restarting or self.failure:
+                continue
+            died = f"{name} exited with code {proc.popen.returncode} while the learner ran; its log: {proc.log_path}"
+            attempt = self.restarts.take(name)
+            if not attempt:
+                self.failure = f"{died} (restarted {self.restarts.per_hour} times within the hour already)"
+                break
+            self.say(
+                f"{name} exited with code {proc.popen.returncode}: restarting it "
+                f"({attempt} of {self.restarts.per_hour} this hour)"
+            )
+            self.restarting.add(name)
+            self._todo.put((name, died))
+        return self.failure
+
+    def _work(self) -> None:
+        from rlmesh.runtime.launcher import LaunchError
+
+        while True:
+            name, died = self._todo.get()
+            try:
+                new = self.stack.restart(name)
+            except LaunchError as e:
+                self.failure = f"{died}; restarting it failed: {e.headline}"
+                continue
+            self.say(f"{name} is back (pid {new.pid})")
+            self.restarting.discard(name)
+
+
 def run_job(
     config_path: str | None,
     overrides: Sequence[str],
@@ -92,7 +158,8 @@ def run_job(
     """Starts the stack, follows the learner until it exits, stops everything.
 
     ``before_stop(stack)`` runs while the services are still up (benchmarks read their counters
-    there). A service that exits while the learner runs fails the job, named in ``failure``.
+    there). A service that exits while the learner runs is restarted (``Supervisor``); one over its
+    restart budget, or that does not come back, fails the job, named in ``failure``.
     """
     import grpc
 
@@ -148,16 +215,14 @@ def run_job(
                 elapsed = time.monotonic() - started
                 say(progress_line(step, max(total, step), row, elapsed, done=step - first))
 
+        supervisor = Supervisor(
+            stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
+        )
         with grpc.insecure_channel(learner.grpc_address) as channel:
             stub = learner_pb2_grpc.LearnerStub(channel)
             while learner.process.alive():
-                dead = [(n, p) for n, p in stack.processes() if p is not learner.process and not p.alive()]
-                if dead:
-                    name, proc = dead[0]
-                    result.failure = (
-                        f"{name} exited with code {proc.popen.returncode} while the learner ran; "
-                        f"its log: {proc.log_path}"
-                    )
+                result.failure = supervisor.check()
+                if result.failure:
                     break
                 try:
                     st = stub.GetStatus(common_pb2.Empty(), timeout=5, metadata=metadata)

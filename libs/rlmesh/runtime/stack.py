@@ -97,6 +97,10 @@ class Stack:
     overrides: list[str]  # what every service was given: the caller's, Redis, reward and reference
     started: list[ServiceInstance] = field(default_factory=list)
     attached: dict[str, list[str]] = field(default_factory=dict)  # service -> addresses not started here
+    # name -> (service, its own overrides, health timeout): what restart() starts again
+    specs: dict[str, tuple[str, list[str], float]] = field(default_factory=dict)
+    launcher: ProcessLauncher | None = None
+    config_path: str | None = None
 
     def get(self, name: str) -> ServiceInstance | None:
         return next((s for s in self.started if s.name == name), None)
@@ -113,6 +117,33 @@ class Stack:
         """Every process started here, by name: Redis first, in start order."""
         named = [("redis", self.redis.process)] if self.redis is not None else []
         return named + [(s.name, s.process) for s in self.started]
+
+    def restart(self, name: str) -> ManagedProcess:
+        """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:
+        Redis on its port with its data dir (its append-only file brings the run's queues back),
+        reward and reference on their gRPC port (replicas and the learner were given it), a rollout
+        replica on new ports under the same replica id (it registers them). Raises ``LaunchError``
+        when it does not come up healthy."""
+        assert self.launcher is not None, "restart needs the launcher start_stack was given"
+        if name == "redis":
+            assert self.redis is not None
+            self.redis = self.launcher.start_redis(port=self.redis.port)
+            return self.redis.process
+        service, extra, timeout_s = self.specs[name]
+        old = self.get(name)
+        assert old is not None
+        keep = []
+        if service in ("reward", "reference"):
+            keep = [f"rlmesh.{service}.port={old.grpc_address.rsplit(':', 1)[1]}"]
+        instance = self.launcher.start_service(
+            service,
+            name=name,
+            config_path=self.config_path,
+            overrides=[*self.overrides, *free_port_overrides(service), *extra, *keep],
+            timeout_s=timeout_s,
+        )
+        self.started[self.started.index(old)] = instance
+        return instance.process
 
 
 def start_stack(
@@ -142,17 +173,25 @@ def start_stack(
         redis = launcher.start_redis()
         redis_url = redis.url
         say(f"{'redis':<12} {redis_url} (pid {redis.process.pid})")
-    stack = Stack(redis_url=redis_url, redis=redis, overrides=[*overrides, f"rlmesh.redis_url={redis_url}"])
+    stack = Stack(
+        redis_url=redis_url,
+        redis=redis,
+        overrides=[*overrides, f"rlmesh.redis_url={redis_url}"],
+        launcher=launcher,
+        config_path=config_path,
+    )
 
     def start(service: str, name: str, extra: Sequence[str] = (), note: str = "") -> ServiceInstance:
+        wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
         instance = launcher.start_service(
             service,
             name=name,
             config_path=config_path,
             overrides=[*stack.overrides, *free_port_overrides(service), *extra],
-            timeout_s=max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s,
+            timeout_s=wait_s,
         )
         stack.started.append(instance)
+        stack.specs[name] = (service, list(extra), wait_s)
         say(f"{name:<12} {instance.grpc_address} (pid {instance.process.pid}{note})")
         return instance
 

@@ -345,3 +345,20 @@ def test_file_problems(tmp_path: Path, write_yaml: WriteYaml) -> None:
     assert only_problem(path=write_yaml("data: [1, 2\n")).startswith("cannot parse config file")
     assert "must hold a mapping" in only_problem(path=write_yaml("- a\n- b\n"))
     assert load_config(write_yaml("")) == load_config()  # an empty file is just the defaults
+
+
+def test_streams_must_hold_the_batches_in_flight() -> None:
+    base = [
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "rlmesh.max_staleness=1",
+    ]
+    load_config(None, [*base, "rlmesh.queue.trajectory_stream_maxlen=96"])  # 8 x 4 x (1 + 2): fits
+    assert only_problem([*base, "rlmesh.queue.trajectory_stream_maxlen=95"]) == (
+        "rlmesh.queue.trajectory_stream_maxlen=95 cannot hold the samples in flight: it must be >= "
+        "data.train_batch_size x actor_rollout_ref.rollout.n x (rlmesh.max_staleness + 2) = 96"
+    )
+    assert only_problem([*base, "rlmesh.queue.prompt_stream_maxlen=23"]).startswith(
+        "rlmesh.queue.prompt_stream_maxlen=23 cannot hold the prompts in flight: it must be >= "
+    )
