@@ -400,7 +400,8 @@ class ProcessLauncher:
         return proc.popen.returncode
 
     def stop_all(self) -> None:
-        for proc in reversed(self.processes):
+        # A copy: a supervisor thread may still be starting a process as the job ends.
+        for proc in reversed(list(self.processes)):
             try:
                 code = self.stop(proc)
                 log.info("stopped %s (pid %d), exit code %s", proc.name, proc.pid, code)
