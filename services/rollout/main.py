@@ -160,15 +160,28 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
 
     engine_lost: list[str] = []  # why the engine is gone; then this replica ends
 
-    async def lose_engine(why: str) -> None:
-        # Nothing else can bring the engine back from here: leave the registry (no more pushes or
-        # work for us), give the tasks back and exit non-zero so the supervisor starts a new replica.
-        log.error("engine lost (%s): leaving the run; in-flight tasks go back to the queue", why)
-        engine_lost.append(why)
+    async def leave(why: str) -> None:
+        # Nothing here can repair it: leave the registry (no more pushes or work for us), give the
+        # tasks back and exit non-zero so the supervisor starts a new replica.
+        log.error("%s: leaving the run; in-flight tasks go back to the queue", why)
         await service.set_serving(False)
         await deregister()
         service.exit_code = 3
         service.request_stop()
+
+    async def lose_engine(why: str) -> None:
+        engine_lost.append(why)
+        await leave(f"engine lost ({why})")
+
+    async def run_sampler() -> None:
+        # Transient Redis errors are retried inside; anything else (NOGROUP after a Redis restart
+        # without persistence, MISCONF on a full disk, a bug) would leave a replica that heartbeats
+        # as SERVING and claims nothing.
+        try:
+            await sampler.run()
+        except Exception as e:
+            log.exception("the sampler loop failed")
+            await leave(f"sampler loop failed: {type(e).__name__}: {e}")
 
     async def heartbeat() -> None:
         # The engine is the truth about its weights (the learner may push to it directly).
@@ -199,7 +212,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
     async def start_background() -> None:
         await registry.register(registration())  # registered before the ready file says "serving"
         background.append(asyncio.create_task(heartbeat()))
-        background.append(asyncio.create_task(sampler.run()))
+        background.append(asyncio.create_task(run_sampler()))
 
     async def shutdown() -> None:
         # Without an engine nothing in flight can finish: give it all back at once.

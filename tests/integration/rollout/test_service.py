@@ -2,6 +2,7 @@
 reference services and a real Redis."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -322,4 +323,33 @@ async def test_a_replica_joining_mid_run_loads_the_current_weights_first(stack, 
         launcher.stop(joiner.process)
     finally:
         await publish_policy(redis, RunKeys(RUN), version=0)
+        await redis.aclose()
+
+
+async def test_a_sampler_loop_that_fails_for_good_takes_the_replica_out_of_the_run(stack):
+    # Its consumer group gone (a Redis restarted without persistence): every claim is refused with
+    # NOGROUP, which no retry fixes. The replica must not stay SERVING while claiming nothing.
+    launcher, redis_server, overrides = stack
+    run = f"nogroup-{uuid.uuid4().hex[:6]}"
+    replica = start_replica(launcher, [*overrides, f"rlmesh.run_id={run}"], "grouples")
+    redis = connect(redis_server.url)
+    keys = RunKeys(run)
+    try:
+        registry = ReplicaRegistry(redis, keys, ttl_s=3)
+        assert [r.replica_id for r in await registry.live()] == ["grouples"]
+
+        async def claiming() -> bool:  # its first claim made it a consumer of the run's group
+            with contextlib.suppress(Exception):
+                return any(
+                    c["name"] == b"grouples" for c in await redis.xinfo_consumers(keys.prompts, "rollout")
+                )
+            return False
+
+        await eventually(claiming, True, "the replica to claim")
+        await redis.xgroup_destroy(keys.prompts, "rollout")
+        assert await asyncio.to_thread(replica.process.popen.wait, 60) == 3
+        log = replica.process.log_path.read_text()
+        assert "sampler loop failed: ResponseError: NOGROUP" in log and "leaving the run" in log
+        assert await registry.live() == []
+    finally:
         await redis.aclose()
