@@ -192,7 +192,9 @@ class BatchEngine:
                     self._admit()
                     if self._rows:
                         self._decode()
-            except Exception as e:  # never let one bad batch kill the engine thread
+                    self._reap_aborted()  # the requests that failed in this step leave now
+            except Exception as e:  # never let one bad step kill the engine thread
+                # A failure that no single request explains (the decode forward of every row).
                 log.exception("engine step failed; aborting the running batch")
                 self._fail_all(f"engine error: {e}")
 
@@ -207,11 +209,37 @@ class BatchEngine:
         by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
         for seq in new:
             by_prompt.setdefault(tuple(seq.prompt_ids), []).append(seq)
-        new = [seq for group in by_prompt.values() for seq in group]
-        logits = self.runner.prefill([list(p) for p in by_prompt], [len(g) for g in by_prompt.values()])
+        groups = list(by_prompt.values())
+        try:
+            self._prefill(groups)
+        except Exception as e:
+            if len(groups) == 1:
+                self._fail_requests(groups[0], e)
+                return
+            # A prefill changes the runner only when it succeeds, so each prompt can be tried
+            # alone: only the requests whose own prompt fails are aborted.
+            log.warning("prefill of %d prompts failed (%s); admitting them one by one", len(groups), e)
+            for group in groups:
+                try:
+                    self._prefill([group])
+                except Exception as alone:
+                    self._fail_requests(group, alone)
+
+    def _prefill(self, groups: list[list[Sequence]]) -> None:
+        logits = self.runner.prefill([list(g[0].prompt_ids) for g in groups], [len(g) for g in groups])
+        new = [seq for group in groups for seq in group]
         self._rows += new
         self._last = torch.cat([self._last, self._sample(new, logits)])
         self._retire_finished()
+
+    def _fail_requests(self, sequences: list[Sequence], error: Exception) -> None:
+        """Marks the requests these sequences belong to aborted (their other sequences too: a
+        response is all of its samples or none); they leave at the end of the step, the rest of
+        the batch goes on."""
+        log.error("engine failed on request(s) %s: %s", sorted({s.request.rid for s in sequences}), error)
+        with self._cond:
+            for seq in sequences:
+                seq.request.aborted = f"engine error on this request: {error}"
 
     def _decode(self) -> None:
         logits = self.runner.decode(self._last)
@@ -230,14 +258,34 @@ class BatchEngine:
             logits = logits.clone()
             for r in early:
                 logits[r, list(stops[r])] = float("-inf")
-        tokens = sample_tokens(logits, [seq.params for seq in rows], [seq.generator for seq in rows])
-        logprobs = token_logprobs(logits, tokens, [seq.params for seq in rows]).tolist()
+        try:
+            tokens = sample_tokens(logits, [seq.params for seq in rows], [seq.generator for seq in rows])
+            logprobs = token_logprobs(logits, tokens, [seq.params for seq in rows]).tolist()
+        except Exception:  # one row's parameters may be at fault: sample row by row
+            tokens, logprobs = self._sample_rows(rows, logits)
         for seq, token, logprob, stop in zip(rows, tokens.tolist(), logprobs, stops, strict=True):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
-            self._check_finished(seq, token, stop)
+            try:
+                self._check_finished(seq, token, stop)
+            except Exception as e:  # e.g. a stop string the tokenizer cannot decode against
+                self._fail_requests([seq], e)
         self.tokens_generated += len(rows)
         return tokens
+
+    def _sample_rows(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        tokens, logprobs = [], []
+        for r, seq in enumerate(rows):
+            try:
+                t = sample_tokens(logits[r : r + 1], [seq.params], [seq.generator])
+                lp = token_logprobs(logits[r : r + 1], t, [seq.params])
+                tokens.append(int(t[0]))
+                logprobs.append(float(lp[0]))
+            except Exception as e:
+                self._fail_requests([seq], e)
+                tokens.append(0)
+                logprobs.append(0.0)
+        return torch.tensor(tokens, dtype=torch.long), logprobs
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
