@@ -155,6 +155,20 @@ class RuntimeConfig(Section):
         description="`rlmesh train` restarts a crashed replica, reward, reference or Redis at most this "
         "often per hour each, then fails the job; 0 = a crash fails the job",
     )
+    grpc_max_request_mb: int = Field(
+        64,
+        ge=1,
+        le=1024,
+        description="largest request a gRPC service accepts, MiB; a bigger one is refused with "
+        "RESOURCE_EXHAUSTED before it is parsed (a Reward.Score batch of 1,024 samples of 4,096 "
+        "tokens, ids and text, is about 30 MiB)",
+    )
+    grpc_max_concurrent_rpcs: int = Field(
+        256,
+        ge=1,
+        description="calls one gRPC service runs at once; more are refused with RESOURCE_EXHAUSTED "
+        "(clients retry)",
+    )
 
 
 class QueueConfig(Section):

@@ -58,7 +58,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
             yield  # pragma: no cover - makes this an async generator like the handler it replaces
 
-        return replace_behavior(handler, lambda _b: refuse, lambda _b: refuse_stream)
+        # The refusal keeps the request as raw bytes: a caller without the token never gets its
+        # message parsed (the server's size limit already bounds what is read).
+        refusal = replace_behavior(handler, lambda _b: refuse, lambda _b: refuse_stream)
+        return refusal._replace(request_deserializer=None)  # a namedtuple
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:

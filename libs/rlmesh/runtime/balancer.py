@@ -15,7 +15,7 @@ import grpc
 
 from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.auth import client_auth_interceptors
-from rlmesh.runtime.server import GRPC_OPTIONS
+from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
 
 log = logging.getLogger("rlmesh.client")
 
@@ -68,7 +68,9 @@ class BalancedCaller:
         entry = self._stubs.get(address)
         if entry is None:
             channel = grpc.aio.insecure_channel(
-                address, options=GRPC_OPTIONS, interceptors=client_auth_interceptors(self.token) or None
+                address,
+                options=CLIENT_GRPC_OPTIONS,
+                interceptors=client_auth_interceptors(self.token) or None,
             )
             entry = (channel, self.stub_class(channel))
             self._stubs[address] = entry

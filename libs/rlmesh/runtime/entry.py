@@ -61,6 +61,8 @@ def service_main(
             auth_token=cfg.rlmesh.auth_token,
             shutdown_grace_s=cfg.rlmesh.runtime.shutdown_grace_s,
             ready_file=args.ready_file,
+            max_request_bytes=cfg.rlmesh.runtime.grpc_max_request_mb * 1024 * 1024,
+            max_concurrent_rpcs=cfg.rlmesh.runtime.grpc_max_concurrent_rpcs,
         )
         await build(service, cfg)
         await service.serve()

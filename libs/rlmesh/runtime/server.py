@@ -25,16 +25,29 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from rlmesh.runtime.auth import BearerTokenInterceptor
+from rlmesh.runtime.malformed import RefuseMalformedInterceptor
 from rlmesh.runtime.metrics import MetricsHttpServer, MetricsInterceptor, RpcMetrics
 
 log = logging.getLogger("rlmesh.runtime")
 
-# Weights and trajectory batches are large: raise gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
-GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+# A response may carry a whole tensor (Rollout.GetWeightsByName); requests are batches of token
+# ids or texts, far smaller, and a server bounds them (``max_request_bytes``) so that one caller
+# cannot make it buffer a gigabyte.
+MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_CONCURRENT_RPCS = 256
+CLIENT_GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
 )
+
+
+def server_grpc_options(max_request_bytes: int) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+        ("grpc.max_receive_message_length", max_request_bytes),
+    )
+
 
 AddServicer = Callable[[Any, grpc.aio.Server], None]
 ShutdownHook = Callable[[], Awaitable[None]]
@@ -59,6 +72,8 @@ class GrpcService:
         auth_token: str | None = None,
         shutdown_grace_s: float = 30.0,
         ready_file: str | os.PathLike[str] | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
     ) -> None:
         self.name = name
         self.host = host
@@ -73,7 +88,14 @@ class GrpcService:
         interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.rpc_metrics)]
         if auth_token:
             interceptors.append(BearerTokenInterceptor(auth_token))
-        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        interceptors.append(RefuseMalformedInterceptor())
+        # A request over max_request_bytes, or a call past max_concurrent_rpcs, is refused with
+        # RESOURCE_EXHAUSTED by gRPC itself, before any handler (or parser) sees it.
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=server_grpc_options(max_request_bytes),
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = []

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.health import scrape_metrics
-from rlmesh.runtime.server import GrpcService
+from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS, GrpcService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.helpers import child_env, wait_until
 
@@ -73,6 +73,81 @@ async def test_auth_refuses_missing_and_wrong_tokens_and_leaves_health_open():
             reply = await reward_pb2_grpc.RewardStub(ch).Score(_request(3), timeout=5)
             assert [r.score for r in reply.results] == [0.0, 1.0, 2.0]
         assert await _health(service.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await service.stop()
+
+
+async def test_a_caller_without_the_token_never_has_its_request_parsed():
+    # Bytes that are no ScoreRequest: parsed, they would fail as INTERNAL; refused unparsed, the
+    # caller learns only that it is not authenticated.
+    service = await _start(TOKEN)
+    try:
+        async with grpc.aio.insecure_channel(service.address) as ch:
+            raw = ch.unary_unary("/rlmesh.v1.Reward/Score")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw(b"\xff\xff\xff not a protobuf", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await service.stop()
+
+
+async def test_bytes_that_are_not_the_request_message_get_invalid_argument_naming_it():
+    service = await _start(TOKEN)
+    try:
+        async with grpc.aio.insecure_channel(
+            service.address, interceptors=client_auth_interceptors(TOKEN)
+        ) as ch:
+            raw = ch.unary_unary("/rlmesh.v1.Reward/Score")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw(b"\xff\xff\xff not a protobuf", timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid rlmesh.v1.ScoreRequest" in refused.value.details()
+            assert len((await reward_pb2_grpc.RewardStub(ch).Score(_request(2), timeout=5)).results) == 2
+    finally:
+        await service.stop()
+
+
+async def test_requests_over_the_size_limit_are_refused_and_the_service_serves_on():
+    service = GrpcService("reward", port=0, metrics_port=None, max_request_bytes=1024 * 1024)
+    service.add_servicer(reward_pb2_grpc.add_RewardServicer_to_server, CountingReward(), "rlmesh.v1.Reward")
+    await service.start()
+    try:
+        big = reward_pb2.ScoreRequest(
+            samples=[reward_pb2.RewardSample(uid="u", response_text="x" * (2 * 1024 * 1024))]
+        )
+        async with grpc.aio.insecure_channel(service.address, options=CLIENT_GRPC_OPTIONS) as ch:
+            stub = reward_pb2_grpc.RewardStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(big, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len((await stub.Score(_request(2), timeout=5)).results) == 2
+    finally:
+        await service.stop()
+
+
+async def test_calls_past_the_concurrency_limit_are_refused_not_queued():
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    class HeldReward(CountingReward):
+        async def Score(self, request, context):
+            entered.set()
+            await release.wait()
+            return await super().Score(request, context)
+
+    service = GrpcService("reward", port=0, metrics_port=None, max_concurrent_rpcs=1)
+    service.add_servicer(reward_pb2_grpc.add_RewardServicer_to_server, HeldReward(), "rlmesh.v1.Reward")
+    await service.start()
+    try:
+        async with grpc.aio.insecure_channel(service.address) as ch:
+            stub = reward_pb2_grpc.RewardStub(ch)
+            first = asyncio.ensure_future(stub.Score(_request(1), timeout=30))
+            await asyncio.wait_for(entered.wait(), 30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(_request(1), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            release.set()
+            assert len((await first).results) == 1
+            assert len((await stub.Score(_request(1), timeout=5)).results) == 1
     finally:
         await service.stop()
 
