@@ -297,4 +297,9 @@ class ActorRolloutRefConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
     ref: RefConfig = Field(default_factory=RefConfig, description="reference policy")
     hybrid_engine: Any = compat(True)
-    nccl_timeout: Any = compat(600)
+    nccl_timeout: float = Field(
+        600,
+        gt=0,
+        description="how long a collective of the learner's ranks (NCCL or gloo) waits for the others "
+        "before it fails, seconds",
+    )

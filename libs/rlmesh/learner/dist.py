@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ def _skip_shm_comm_build() -> None:
         ds_torch_comm.build_shm_op = lambda: None
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
     """Join (or create) the learner's process group; idempotent.
 
     Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the group is the launcher's.
@@ -51,20 +52,28 @@ def init_distributed(backend: str | None = None) -> None:
 
     Args:
         backend: ``gloo`` or ``nccl``; default NCCL on CUDA, gloo otherwise.
+        timeout_s: how long any collective of the group may wait for the other ranks before it
+            fails (verl's ``actor_rollout_ref.nccl_timeout``); torch's default is 30 minutes.
     """
     import deepspeed
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         _skip_shm_comm_build()
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    # With a group in place DeepSpeed only registers it with deepspeed.comm.
-    deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else backend)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
+        )
+    # With a group in place DeepSpeed only registers it with deepspeed.comm; under a launcher it
+    # creates the group, with this timeout.
+    deepspeed.init_distributed(
+        dist_backend=dist.get_backend() if dist.is_initialized() else backend, timeout=timeout
+    )
     log.info("learner rank %d of %d in the process group (%s)", rank(), world_size(), dist.get_backend())
 
 

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -99,11 +100,13 @@ def total_training_steps(cfg: RLMeshConfig, dataset_len: int) -> int:
     return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
 
 
-# How long a follower waits for rank 0's next command. It idles for as long as rank 0 waits for
-# rollout replicas or batches or holds a pause, which can be hours: the default group's timeout
-# (30 minutes) would crash it in the middle of a healthy run. The death of rank 0 is seen at once
-# (its sockets close); this bound only ends the wait for a rank 0 whose host vanished silently.
-COMMAND_TIMEOUT = timedelta(days=7)
+# A follower waits for rank 0's next command while rank 0 waits for replicas or batches or holds
+# a pause, which can be hours. So that the wait can still be bounded tightly, rank 0 sends a no-op
+# every KEEPALIVE_S while it runs no collective; a follower that hears nothing for COMMAND_TIMEOUT
+# takes rank 0 for gone. (A dead rank 0 is seen at once, its sockets close; the bound is for a
+# rank 0 that hangs or whose host vanished silently.)
+KEEPALIVE_S = 30.0
+COMMAND_TIMEOUT = timedelta(seconds=10 * KEEPALIVE_S)
 
 
 class RankZeroLost(RuntimeError):
@@ -114,8 +117,9 @@ class Followers:
     """Rank 0 tells the other ranks which collective to run next, then runs its own part.
 
     Commands go over a gloo group of their own, so that waiting for one is bounded by
-    ``COMMAND_TIMEOUT``, not by the training group's timeout, and pickles never touch a GPU.
-    Constructing it is collective: every rank builds one, at the same point.
+    ``COMMAND_TIMEOUT`` (with rank 0's keep-alives), not by the training group's timeout, and
+    pickles never touch a GPU. Constructing it is collective: every rank builds one, at the same
+    point.
 
     Rank 0 ends the run with :meth:`finish`, which sends ``("stop", failure)``, but only while the
     followers are known to be waiting for a command: after rank 0's part of a collective failed,
@@ -123,35 +127,56 @@ class Followers:
     follower instead sees rank 0's process exit (its sockets close) and exits too.
     """
 
-    def __init__(self, timeout: timedelta = COMMAND_TIMEOUT) -> None:
+    def __init__(self, timeout: timedelta = COMMAND_TIMEOUT, keepalive_s: float = KEEPALIVE_S) -> None:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.group = dist.new_group(backend="gloo", timeout=timeout) if self.world > 1 else None
         # Rank 0: a command was announced and rank 0's own part of it has not completed.
         self.in_collective = False
         self.finished = False
+        self._sending = threading.Lock()  # one broadcast at a time: a command or a keep-alive
+        self._stop_keepalive = threading.Event()
+        if self.world > 1 and dist.get_rank() == 0:
+            threading.Thread(
+                target=self._keep_alive, args=(keepalive_s,), name="followers-keepalive", daemon=True
+            ).start()
+
+    def _keep_alive(self, every_s: float) -> None:
+        while not self._stop_keepalive.wait(every_s):
+            with self._sending:
+                if self.in_collective or self.finished:
+                    continue  # the followers are inside a collective, not waiting for a command
+                try:
+                    dist.broadcast_object_list([("noop",)], src=0, group=self.group)
+                except RuntimeError as e:
+                    log.error("keep-alive to the other ranks failed: %s", e)
+                    return
 
     def announce(self, command: tuple[Any, ...]) -> None:
         """Rank 0: send ``command``; call :meth:`done` once rank 0's own part of it completed."""
         if self.world > 1:
-            self.in_collective = True
-            dist.broadcast_object_list([command], src=0, group=self.group)
+            with self._sending:
+                self.in_collective = True
+                dist.broadcast_object_list([command], src=0, group=self.group)
 
     def done(self) -> None:
-        self.in_collective = False
+        with self._sending:
+            self.in_collective = False
 
     def finish(self, failure: str = "") -> None:
         """Rank 0: tell the followers the run is over (``failure``: why it failed, if it did).
         Idempotent; never raises (a follower that already died cannot be told)."""
-        if self.world == 1 or self.finished:
-            return
-        self.finished = True
-        if self.in_collective:
-            log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
-            return
-        try:
-            dist.broadcast_object_list([("stop", failure)], src=0, group=self.group)
-        except RuntimeError as e:
-            log.error("could not tell the other ranks to stop: %s", e)
+        self._stop_keepalive.set()
+        with self._sending:
+            if self.world == 1 or self.finished:
+                return
+            self.finished = True
+            if self.in_collective:
+                log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
+                return
+            try:
+                dist.broadcast_object_list([("stop", failure)], src=0, group=self.group)
+            except RuntimeError as e:
+                log.error("could not tell the other ranks to stop: %s", e)
 
     def receive(self) -> tuple[Any, ...]:
         """Ranks > 0: the next command; raises ``RankZeroLost`` when rank 0 is gone."""
@@ -177,6 +202,8 @@ def follow(trainer: Any, followers: Followers) -> str:
         kind = command[0]
         if kind == "stop":
             return str(command[1]) if len(command) > 1 else ""
+        if kind == "noop":
+            continue
         if kind == "train":
             if command[3]:
                 trainer.update_hyperparams(**command[3])

@@ -2,8 +2,9 @@
 real gloo processes.
 
 A follower waits for rank 0's next command while rank 0 waits for batches, pushes weights or holds
-a pause: that can take longer than the training group's timeout, and must not end a healthy run.
-Here the default group's timeout is made short so that a wait can outlast it within a test.
+a pause: that can take longer than the training group's timeout and the command timeout, and must
+not end a healthy run (rank 0's keep-alives cover it), while a rank 0 that hangs must end it. Here
+the timeouts are made short so that a wait can outlast them within a test.
 
 The processes are this file run as a script: ``python -m tests.integration.training.test_followers
 SCENARIO RANK PORT OUT_DIR``. Rank 1 runs ``follow`` with a fake trainer (this tests the channel,
@@ -26,8 +27,10 @@ from tests.helpers import child_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_GROUP_TIMEOUT_S = 2.0
-# Rank 0 is silent this long before its first command: longer than the default group's timeout.
-SILENT_S = DEFAULT_GROUP_TIMEOUT_S + 1.0
+COMMAND_TIMEOUT_S = 3.0
+KEEPALIVE_S = 0.5
+# Rank 0 is silent this long before its first command: longer than both timeouts.
+SILENT_S = COMMAND_TIMEOUT_S + 1.0
 RANK1_EXIT_LOST = 3
 EXIT_TIMEOUT_S = 60  # bounds every wait for a child; a healthy one is done in seconds
 LOST_WITHIN_S = 10  # rank 0's death is seen when its sockets close, not after a timeout
@@ -57,11 +60,13 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S)
     )
-    followers = Followers()  # collective: both ranks are past it once either is
+    followers = Followers(
+        timedelta(seconds=COMMAND_TIMEOUT_S), KEEPALIVE_S
+    )  # collective: both ranks are past it once either is
     (out_dir / f"rank{rank}.ready").touch()
     if rank == 0:
         if scenario == "killed":
-            signal.pause()  # until the test SIGKILLs this process
+            signal.pause()  # until the test SIGKILLs or SIGSTOPs this process
         if scenario == "slow":
             # The one sleep: the test is about a wait outlasting the default group's timeout.
             time.sleep(SILENT_S)
@@ -120,7 +125,7 @@ def rank1_saw(out_dir: Path) -> dict[str, Any]:
     return json.loads((out_dir / "rank1.json").read_text())
 
 
-def test_a_follower_waits_out_the_default_groups_timeout_for_a_command(tmp_path):
+def test_a_follower_waits_out_both_timeouts_for_a_command_while_rank_zero_lives(tmp_path):
     procs = start("slow", tmp_path)
     assert finish(procs) == [0, 0]
     assert rank1_saw(tmp_path) == {
@@ -140,9 +145,24 @@ def test_a_follower_sees_rank_zero_killed_at_once(tmp_path):
     try:
         wait_until(lambda: (tmp_path / "rank0.ready").exists(), EXIT_TIMEOUT_S, "rank 0's Followers")
         rank0.send_signal(signal.SIGKILL)
-        # Bounded: without the death noticed, rank 1 would wait out COMMAND_TIMEOUT (days).
+        # Bounded: without the death noticed, rank 1 would wait out COMMAND_TIMEOUT.
         assert rank1.wait(timeout=LOST_WITHIN_S) == RANK1_EXIT_LOST
     finally:
+        finish(procs)
+    saw = rank1_saw(tmp_path)
+    assert saw["calls"] == [] and "waiting for rank 0's next command failed" in saw["lost"]
+
+
+def test_a_follower_gives_up_on_a_rank_zero_that_hangs(tmp_path):
+    # A stopped process keeps its sockets open, as a host that vanished from the network does:
+    # only the silence (no keep-alive for COMMAND_TIMEOUT_S) tells the follower.
+    rank0, rank1 = procs = start("killed", tmp_path)
+    try:
+        wait_until(lambda: (tmp_path / "rank0.ready").exists(), EXIT_TIMEOUT_S, "rank 0's Followers")
+        rank0.send_signal(signal.SIGSTOP)
+        assert rank1.wait(timeout=EXIT_TIMEOUT_S) == RANK1_EXIT_LOST
+    finally:
+        rank0.kill()
         finish(procs)
     saw = rank1_saw(tmp_path)
     assert saw["calls"] == [] and "waiting for rank 0's next command failed" in saw["lost"]
