@@ -24,6 +24,7 @@ from rlmesh.config.base import ConfigWarning
 from rlmesh.config.errors import ConfigError, format_validation_error
 from rlmesh.config.keys import config_keys
 from rlmesh.config.schema import RLMeshConfig
+from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
 
 ENV_AUTH_TOKEN = "RLMESH_AUTH_TOKEN"
 
@@ -72,7 +73,8 @@ def _read_file(path: str | os.PathLike[str], problems: list[str]) -> dict[str, A
 
 
 def _parse_override(arg: str, index: int, problems: list[str]) -> dict[str, Any] | None:
-    where = f"override #{index} {arg!r}"
+    shown = redact_argv([arg])[0]  # an error message must not carry a secret either
+    where = f"override #{index} {shown!r}"
     key, sep, value = arg.partition("=")
     key = key.strip()
     # Hydra's `+key` (add) and `++key` (add or override) mean the same here: every key is known.
@@ -90,7 +92,7 @@ def _parse_override(arg: str, index: int, problems: list[str]) -> dict[str, Any]
         parsed = OmegaConf.from_dotlist([f"{bare}={value}"])
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        problems.append(f"{where}: cannot parse the value {value!r}: {first_line}")
+        problems.append(f"{where}: cannot parse the value {shown.partition('=')[2]!r}: {first_line}")
         return None
     return OmegaConf.to_container(parsed, resolve=False)  # type: ignore[return-value]
 
@@ -165,6 +167,10 @@ def _read_layers(
     if isinstance(overrides, str):  # a lone string would be split into characters
         overrides = [overrides]
     layers = [] if config_path is None else [_read_file(config_path, problems)]
+    try:
+        overrides = [*overrides, *secret_overrides_from_env()]  # from a launcher: see secrets.py
+    except ValueError as e:
+        problems.append(str(e))
     for index, arg in enumerate(overrides, start=1):
         parsed = _parse_override(arg, index, problems)
         if parsed is not None:
@@ -196,7 +202,8 @@ def load_config(
     """Defaults <- YAML file <- overrides, interpolations resolved, validated.
 
     Raises ConfigError with every problem found (file, overrides, unknown keys, bad values,
-    cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set.
+    cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set;
+    env RLMESH_SECRET_OVERRIDES (a launcher's secrets for its child) adds overrides after the rest.
     """
     problems: list[str] = []
     layers = _read_layers(config_path, overrides, problems)

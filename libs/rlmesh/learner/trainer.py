@@ -34,6 +34,7 @@ from rlmesh.algo import (
     masked_mean,
 )
 from rlmesh.config import RLMeshConfig, dump_yaml
+from rlmesh.config.secrets import redact_url
 from rlmesh.learner import checkpoint
 from rlmesh.learner.actor import DeepSpeedPPOActor
 from rlmesh.learner.batch import BatchError, PPOBatch
@@ -402,6 +403,7 @@ class PPOTrainer:
         }
         cfg = self.config.model_copy(deep=True)
         cfg.rlmesh.auth_token = None  # a checkpoint is no place for secrets
+        cfg.rlmesh.redis_url = redact_url(cfg.rlmesh.redis_url)
         checkpoint.save_checkpoint(path, self._engines(), state, dump_yaml(cfg))
         log.info("checkpoint saved: %s", path)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
 
 log = logging.getLogger("rlmesh.launcher")
@@ -173,8 +174,11 @@ class ProcessLauncher:
         self.stop_all()
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        """Starts ``argv``; rlmesh config overrides that carry secrets go to the child's
+        environment instead (see ``rlmesh.config.secrets``), so ``ps`` and logs never show them."""
+        argv, secret = split_secret_overrides(argv)
         log_path = self.workdir / "logs" / f"{name}.log"
-        child_env = {**os.environ, **(env or {})}
+        child_env = {**os.environ, **(env or {}), **secret_env(secret)}
         child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         if shutil.which("nvidia-smi") is None:
@@ -191,7 +195,7 @@ class ProcessLauncher:
             )
         proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
         self.processes.append(proc)
-        log.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
+        log.info("started %s (pid %d): %s", name, popen.pid, " ".join(redact_argv(argv)))
         return proc
 
     def wait_ready(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from rlmesh.config.secrets import redact_url
 from rlmesh.runtime.auth import bearer_metadata
 from rlmesh.runtime.health import grpc_health, redis_ping, scrape_metrics
 from rlmesh.runtime.launcher import (
@@ -168,7 +169,7 @@ def start_stack(
     timeout_s = cfg.rlmesh.runtime.health_timeout_s
     if "rlmesh.redis_url" in given_keys(config_path, overrides):
         redis, redis_url = None, cfg.rlmesh.redis_url
-        say(f"{'redis':<12} {redis_url} (given: not started here)")
+        say(f"{'redis':<12} {redact_url(redis_url)} (given: not started here)")
     else:
         redis = launcher.start_redis()
         redis_url = redis.url
@@ -207,7 +208,9 @@ def start_stack(
         replicas = cfg.rlmesh.rollout.replicas
         if replicas == 0:
             stack.attached["rollout"] = []
-            say(f"{'rollout':<12} none started: the replicas registered in {redis_url} serve this run")
+            say(
+                f"{'rollout':<12} none started: the replicas registered in {redact_url(redis_url)} serve this run"
+            )
         engine = cfg.actor_rollout_ref.rollout.name
         for i in range(replicas):
             start("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")

@@ -107,3 +107,31 @@ def test_start_service_waits_for_health(tmp_path):
         code = launcher.stop(svc.process)
     assert code == 0, "a service must exit 0 on SIGTERM"
     assert not pid_alive(pid)
+
+
+def test_secret_overrides_reach_the_child_but_not_its_argv_or_any_log(tmp_path, caplog):
+    import grpc
+
+    from rlmesh.runtime.auth import bearer_metadata
+    from rlmesh.v1 import common_pb2, reward_pb2_grpc
+
+    token = "tok-7f3a9c-never-shown"
+    caplog.set_level("INFO", logger="rlmesh.launcher")
+    with ProcessLauncher(tmp_path) as launcher:
+        svc = launcher.start_service(
+            "reward",
+            overrides=["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0", f"rlmesh.auth_token={token}"],
+        )
+        cmdline = Path(f"/proc/{svc.process.pid}/cmdline").read_bytes().decode()
+        assert "rlmesh.reward.port=0" in cmdline and token not in cmdline
+        # The token still reached the service: calls without it are refused, with it served.
+        with grpc.insecure_channel(svc.grpc_address) as ch:
+            stub = reward_pb2_grpc.RewardStub(ch)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetInfo(common_pb2.Empty(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub.GetInfo(common_pb2.Empty(), timeout=10, metadata=bearer_metadata(token))
+        launcher.stop(svc.process)
+        service_log = svc.process.log_path.read_text()
+    assert "started reward" in caplog.text and token not in caplog.text
+    assert token not in service_log
