@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test chaos lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
+.PHONY: help venv lock redis-server demo demo-seeds test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -73,6 +73,10 @@ docs: venv
 
 protos: venv
 	$(BIN)/python -m rlmesh.wire.protogen
+
+# The fuzz tests with many random draws (`make test` runs a fixed sample of 40 per property).
+fuzz: venv redis-server
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
 
 # Benchmarks print their results; none of them is a test (see each script's docstring).
 bench: venv redis-server

@@ -4,6 +4,7 @@ the weight-sync calls forwarded to its engine."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,6 +33,19 @@ def engine_load_format(value: str) -> str | None:
         return value
     known = [*PER_TENSOR, *(f for f in LOAD_FORMATS if f is not None)]
     raise ValueError(f"unknown load_format {value!r}; known: {', '.join(map(repr, known))}")
+
+
+_ENGINE_PROMPT = re.compile(r"input_ids\[(\d+)\](?:\[(\d+)\])?")
+
+
+def as_generate_request_fields(message: str) -> str:
+    """An engine's refusal in the words of ``GenerateRequest``: its ``input_ids[i][j]`` is
+    ``inputs[i].prompt_ids[j]`` (``sampling_params`` fields have the same names in both)."""
+
+    def field(m: re.Match[str]) -> str:
+        return f"inputs[{m[1]}].prompt_ids" + (f"[{m[2]}]" if m[2] is not None else "")
+
+    return _ENGINE_PROMPT.sub(field, message)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -65,7 +79,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest.inputs[{i}].prompt_ids is empty"
                 )
-        params = sampling_dict(request.sampling_params, self.sampling_defaults)
+        try:
+            params = sampling_dict(request.sampling_params, self.sampling_defaults)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest.{e}")
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         params["n"] = n
         try:
@@ -73,8 +90,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 [list(i.prompt_ids) for i in request.inputs], params, return_logprob=request.return_logprob
             )
         except EngineError as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT if e.rejected else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, str(e))
+            if e.rejected:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest: {as_generate_request_fields(str(e))}"
+                )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         outputs = []
         for k, o in enumerate(out):
             meta = o["meta_info"]
@@ -187,11 +207,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def GetWeightsByName(
         self, request: rollout_pb2.GetWeightsByNameRequest, context: grpc.aio.ServicerContext
     ) -> tensor_pb2.Tensor:
+        if request.truncate_size < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"GetWeightsByNameRequest.truncate_size={request.truncate_size}: must be >= 0 (0 = all)",
+            )
         try:
             values = await self.engine.get_weights_by_name(request.name, request.truncate_size)
         except EngineError as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT if e.rejected else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, str(e))
+            if e.rejected:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"GetWeightsByNameRequest.name={request.name!r}: {e}"
+                )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return torch_to_proto(torch.tensor(values, dtype=torch.float32))
 
     async def Drain(

@@ -416,9 +416,16 @@ def create_app(
     async def get_weights_by_name(req: Request) -> Any:
         try:
             b = await body_of(req, "name")
+            name, truncate = b["name"], b.get("truncate_size", 100)
+            if not isinstance(name, str):
+                raise ValueError(f"name: expected a parameter name (a string), got {name!r}")
+            if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 0:
+                raise ValueError(f"truncate_size={truncate!r}: expected an integer >= 0 (0 = all)")
             with engine.exclusive():
-                return weights.get(str(b["name"]), int(b.get("truncate_size", 100)))
-        except (ValueError, WeightUpdateError) as e:
+                return weights.get(name, truncate)
+        except WeightUpdateError as e:
+            return bad_request(f"name={b['name']!r}: {e}")
+        except ValueError as e:
             return bad_request(str(e))
 
     @app.post("/update_weight_version")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,11 +53,15 @@ SAMPLING_FIELDS = (
 
 
 def sampling_dict(params: common_pb2.SamplingParams, defaults: dict[str, Any]) -> dict[str, Any]:
-    """SGLang ``sampling_params`` from a task's proto (fields it set) over the replica's defaults."""
+    """SGLang ``sampling_params`` from a task's proto (fields it set) over the replica's defaults.
+    ValueError, naming the field, for a NaN or infinite number (JSON cannot carry one)."""
     out = dict(defaults)
     for name in SAMPLING_FIELDS:
         if params.HasField(name):
-            out[name] = getattr(params, name)
+            value = getattr(params, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"sampling_params.{name}={value}: must be a finite number")
+            out[name] = value
     if params.stop:
         out["stop"] = list(params.stop)
     if params.stop_token_ids:
