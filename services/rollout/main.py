@@ -70,6 +70,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
         max_batch_size=sampler_cfg.engine_max_batch_size,
         startup_timeout_s=sampler_cfg.engine_startup_timeout_s,
         request_timeout_s=max(600.0, cfg.rlmesh.rollout.timeout_s),
+        port=sampler_cfg.engine_port,
         tp_size=rollout_cfg.tensor_model_parallel_size if rollout_cfg.name == "sglang" else 1,
         mem_fraction_static=rollout_cfg.gpu_memory_utilization,
         dtype=rollout_cfg.dtype,
@@ -149,8 +150,8 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
     def registration() -> trajectory_pb2.ReplicaRegistration:
         return trajectory_pb2.ReplicaRegistration(
             replica_id=replica_id,
-            grpc_address=service.address,
-            engine_url=engine.url,
+            grpc_address=cfg.rlmesh.rollout.advertise_address or service.address,
+            engine_url=sampler_cfg.engine_advertise_url or engine.url,
             engine=engine.kind,
             policy_version=sampler.policy_version,
             capacity=settings.tasks_in_flight,

@@ -89,6 +89,11 @@ class RolloutServiceConfig(ServiceConfig):
         description="rollout replicas `rlmesh train` starts on this machine; 0 = start none and use "
         "the replicas already registered in rlmesh.redis_url",
     )
+    advertise_address: str | None = Field(
+        None,
+        description="host:port the learner uses for this replica's gRPC (behind NAT, a proxy or a "
+        "container's port mapping); null = the address it binds",
+    )
 
 
 class LearnerServiceConfig(ServiceConfig):
@@ -202,6 +207,12 @@ class SamplerConfig(Section):
     )
     breaker_reset_s: float = Field(5.0, gt=0, description="an open breaker lets one call through after this")
     engine_max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
+    engine_port: int = Field(0, ge=0, le=65535, description="port of the replica's engine; 0 = a free one")
+    engine_advertise_url: str | None = Field(
+        None,
+        description="URL the learner uses for this replica's engine (weight pushes); null = the engine's "
+        "own URL, on the replica's host",
+    )
     engine_startup_timeout_s: float = Field(
         600.0, gt=0, description="wait this long for the engine to be healthy"
     )

@@ -114,6 +114,7 @@ async def start_engine(
     max_batch_size: int,
     startup_timeout_s: float,
     request_timeout_s: float,
+    port: int = 0,
     tp_size: int = 1,
     mem_fraction_static: float = 0.5,
     dtype: str = "bfloat16",
@@ -128,6 +129,7 @@ async def start_engine(
             launcher.start_engine,
             model_path,
             name=f"{name}-engine",
+            port=port,
             extra_args=["--max-batch-size", str(max_batch_size)],
             timeout_s=startup_timeout_s,
         )
@@ -140,7 +142,7 @@ async def start_engine(
         await client.wait_healthy(startup_timeout_s)
         ranks = weight_sync_ranks_of(await client.server_info())
         return RunningEngine("sglang", attach_urls[0], client, weight_sync_ranks=ranks)
-    port = free_port()
+    port = port or free_port()
     argv = sglang_launch_argv(
         model_path,
         port,
