@@ -129,14 +129,22 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
     return None
 
 
-def validate_trajectory(t: Trajectory) -> str | None:
+def validate_trajectory(t: Trajectory, needs_ref: bool = False) -> str | None:
     """Why ``t`` must not be trained on, or None when it is fine.
 
     Refused: ``error`` set, a non-finite ``score``, an empty response or prompt, a negative token
     id, ``rollout_log_probs``/``ref_log_probs`` whose length is not the response length or that
-    hold NaN/inf. The reason starts with the field name.
+    hold NaN/inf, and, with ``needs_ref`` (the run's KL needs the reference), no
+    ``ref_log_probs``: a replica configured without a reference service must not stop the run.
+    The reason starts with the field name.
     """
     problem = _problem(t)
+    if problem is None and needs_ref and not t.ref_log_probs:
+        problem = (
+            "ref_log_probs",
+            f"missing, and this run's KL needs them; replica {t.replica_id!r} runs without a "
+            "reference service (is its config the learner's?)",
+        )
     return None if problem is None else f"{problem[0]}: {problem[1]}"
 
 
@@ -151,6 +159,7 @@ def build_batch(
     *,
     max_prompt_length: int | None = None,
     max_response_length: int | None = None,
+    with_ref: bool | None = None,
 ) -> PPOBatch:
     """Pad ``trajectories``  into a :class:`PPOBatch`.
 
@@ -161,6 +170,8 @@ def build_batch(
             default the longest prompt.
         max_response_length: pad responses to this width (verl: ``data.max_response_length``);
             default the longest response.
+        with_ref: whether the batch carries reference log-probs (every trajectory must have
+            them; False: any are ignored); default whether the trajectories carry them.
 
     Raises:
         BatchError: an invalid trajectory (named by uid and field), ref log-probs on some
@@ -172,12 +183,12 @@ def build_batch(
         problem = _problem(t)
         if problem is not None:
             raise BatchError(t.uid, *problem)
-    with_ref = [len(t.ref_log_probs) > 0 for t in trajectories]
-    if any(with_ref) and not all(with_ref):
-        missing = next(t for t, has in zip(trajectories, with_ref, strict=True) if not has)
-        raise BatchError(
-            missing.uid, "ref_log_probs", "missing while other trajectories of the batch carry them"
-        )
+    has_ref = [len(t.ref_log_probs) > 0 for t in trajectories]
+    if with_ref is None:
+        with_ref = any(has_ref)
+    if with_ref and not all(has_ref):
+        missing = next(t for t, has in zip(trajectories, has_ref, strict=True) if not has)
+        raise BatchError(missing.uid, "ref_log_probs", "missing while the batch needs them")
 
     prompt_lens = [len(t.prompt_ids) for t in trajectories]
     response_lens = [len(t.response_ids) for t in trajectories]
@@ -195,7 +206,7 @@ def build_batch(
     prompt_mask = torch.zeros((bs, width_p), dtype=torch.long)
     response_mask = torch.zeros((bs, width_r), dtype=torch.long)
     rollout_log_probs = torch.zeros((bs, width_r), dtype=torch.float32)
-    ref_log_probs = torch.zeros((bs, width_r), dtype=torch.float32) if any(with_ref) else None
+    ref_log_probs = torch.zeros((bs, width_r), dtype=torch.float32) if with_ref else None
     has_rollout = torch.zeros(bs, dtype=torch.bool)
     for i, t in enumerate(trajectories):
         lp, lr = prompt_lens[i], response_lens[i]

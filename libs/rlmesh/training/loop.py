@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -324,7 +325,7 @@ class TrainingLoop:
             n=rollout.n,
             incarnation=self.incarnation,
             max_staleness=cfg.rlmesh.max_staleness,
-            validate=validate_trajectory,
+            validate=functools.partial(validate_trajectory, needs_ref=cfg.uses_reference()),
             wanted=lambda gid: gid in self.feeder.outstanding,
         )
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
@@ -602,7 +603,9 @@ class TrainingLoop:
         from rlmesh.learner import build_batch
 
         st.phase = "TRAINING"
-        batch = build_batch(collected.trajectories, self.tokenizer.pad_token_id)
+        batch = build_batch(
+            collected.trajectories, self.tokenizer.pad_token_id, with_ref=self.cfg.uses_reference()
+        )
         hparams, st.pending_hparams = st.pending_hparams, {}
         if "kl_coef" in hparams:
             self.kl_ctrl.value = hparams.pop("kl_coef")

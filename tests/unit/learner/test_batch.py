@@ -101,3 +101,19 @@ def test_valid_trajectory_passes():
 def test_ref_log_probs_on_some_trajectories_only_is_refused():
     with pytest.raises(BatchError, match=r"b/0.*ref_log_probs"):
         build_batch([traj("a/0", ref=(-1.0, -1.0)), traj("b/0")], PAD)
+
+
+def test_a_run_without_reference_ignores_ref_log_probs_and_one_with_it_needs_them():
+    mixed = [traj("a/0", ref=(-1.0, -1.0)), traj("b/0")]
+    assert build_batch(mixed, PAD, with_ref=False).ref_log_probs is None
+    with pytest.raises(BatchError, match=r"b/0.*ref_log_probs: missing"):
+        build_batch(mixed, PAD, with_ref=True)
+
+
+def test_a_run_that_needs_the_reference_refuses_samples_without_it_naming_the_replica():
+    t = traj()
+    t.replica_id = "rollout-7"
+    assert validate_trajectory(t) is None
+    reason = validate_trajectory(t, needs_ref=True)
+    assert reason.startswith("ref_log_probs: missing") and "rollout-7" in reason
+    assert validate_trajectory(traj(ref=(-1.0, -1.5)), needs_ref=True) is None
