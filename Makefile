@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all clean
+.PHONY: help venv lock redis-server demo demo-seeds test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -77,6 +77,10 @@ protos: venv
 # The fuzz tests with many random draws (`make test` runs a fixed sample of 40 per property).
 fuzz: venv redis-server
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
+
+# 1,000 demo steps with a replica killed every 100: memory, Redis and disk growth (~30 min).
+bench-soak: venv redis-server
+	$(BIN)/python benchmarks/bench_soak.py $(SOAK_ARGS)
 
 # Benchmarks print their results; none of them is a test (see each script's docstring).
 bench: venv redis-server

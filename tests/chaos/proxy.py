@@ -42,9 +42,10 @@ class PartitionableProxy:
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(RuntimeError):
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
@@ -63,15 +64,24 @@ class PartitionableProxy:
         self._loop.run_forever()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        await self._open.wait()  # a connection made during a partition hangs until it heals
         try:
+            await self._open.wait()  # a connection made during a partition hangs until it heals
             target_r, target_w = await asyncio.open_connection(*self.target)
-        except OSError:
+        except (OSError, asyncio.CancelledError):
             client_w.close()
             return
-        await asyncio.gather(
-            self._pump(client_r, target_w), self._pump(target_r, client_w), return_exceptions=True
-        )
+        pumps = [
+            asyncio.ensure_future(self._pump(client_r, target_w)),
+            asyncio.ensure_future(self._pump(target_r, client_w)),
+        ]
+        try:
+            await asyncio.wait(pumps)
+        except asyncio.CancelledError:
+            pass  # close(): asyncio's server reports a cancelled handler as an error
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
