@@ -54,11 +54,12 @@ demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos"
 
-# The chaos suite alone (also part of `make test`), printing how long each recovery took.
+# The chaos suite (whole jobs through kill -9 of every process and a network partition, about 10
+# minutes; not part of `make test`), printing how long each recovery took.
 chaos: venv redis-server
-	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/chaos
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m chaos tests/chaos
 
 lint: venv
 	$(BIN)/ruff check .

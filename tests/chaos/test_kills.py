@@ -29,6 +29,8 @@ from tests.chaos.jobs import (
 )
 from tests.helpers import pid_alive, wait_until
 
+pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
+
 
 def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]], steps: int) -> Job:
     """Runs a job of ``steps`` steps and ``kill -9``s each target in turn: ``(target, restarted)``

@@ -32,6 +32,8 @@ from tests.chaos.jobs import CONFIG, KILL_AT, RECOVERY_BOUND_S, Files, Job, audi
 from tests.chaos.proxy import PartitionableProxy
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
+
 RUN_ID = "chaos-partition"
 # Steps take well under a second here; the outside replica's start-up alone takes ~20 s.
 STEPS = 300
