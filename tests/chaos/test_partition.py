@@ -29,8 +29,8 @@ from rlmesh.queue import ROLLOUT_GROUP, ReplicaRegistry, RunKeys, connect
 from rlmesh.runtime.launcher import ProcessLauncher, free_port
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 from tests.chaos.jobs import CONFIG, KILL_AT, RECOVERY_BOUND_S, Files, Job, audit, overrides, step_line
-from tests.chaos.proxy import PartitionableProxy
 from tests.helpers import wait_until
+from tests.netproxy import PartitionableProxy
 
 pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 

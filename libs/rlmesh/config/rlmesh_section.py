@@ -136,6 +136,12 @@ class WeightSyncConfig(Section):
         "one per tensor, for SGLang servers older than flattened_bucket support",
     )
     timeout_s: float = Field(300.0, gt=0, description="deadline of one weight push, seconds")
+    control_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="deadline of an engine's pause, version, flush and continue calls around a push; an "
+        "engine cut off from the learner holds the push up this long (at most timeout_s), seconds",
+    )
     verify_tensors: int = Field(
         4,
         ge=0,

@@ -132,6 +132,15 @@ class EngineClient:
         body["rid"] = f"{rid}-{uuid.uuid4().hex[:8]}"
         return await self._json("POST", "/generate", body, timeout_s)
 
+    async def reachable(self, timeout_s: float) -> bool:
+        """Whether the server answers ``/health`` within ``timeout_s`` (it may be paused: unlike
+        ``/health_generate`` this generates nothing)."""
+        try:
+            resp = await self._call("GET", "/health", timeout_s=timeout_s)
+        except EngineError:
+            return False
+        return resp.status_code == 200
+
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
             resp = await self._call("GET", "/health_generate", timeout_s=timeout_s)

@@ -337,6 +337,7 @@ class TrainingLoop:
             backend=backend,
             master_address=ws.master_address,
             timeout_s=ws.timeout_s,
+            control_timeout_s=ws.control_timeout_s,
             bucket_bytes=ws.bucket_size_mb << 20,
             load_format=None if ws.load_format == "per_tensor" else ws.load_format,
             verify_tensors=ws.verify_tensors,

@@ -201,6 +201,7 @@ class WeightPusher:
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
         timeout_s: float = 300.0,
+        control_timeout_s: float = 30.0,
         bucket_bytes: int = 256 << 20,
         group_prefix: str | None = None,
         load_format: str | None = FLATTENED_BUCKET,
@@ -217,6 +218,10 @@ class WeightPusher:
         self.backend = backend
         self.master_address = master_address
         self.timeout_s = timeout_s
+        # Pause, continue, version and flush answer in well under a second; an engine that takes
+        # this long is cut off or wedged, and waiting the push's whole timeout for it would stall
+        # the learner (and every other engine) that long.
+        self.control_timeout_s = min(control_timeout_s, timeout_s)
         self.bucket_bytes = bucket_bytes
         # Unique per pusher: a restarted trainer must not meet its predecessor's group names.
         self.group_prefix = group_prefix or f"rlmesh_weights_{uuid.uuid4().hex[:8]}"
@@ -283,6 +288,10 @@ class WeightPusher:
             self.timeout_s,
         )
         try:
+            # An engine registered at an address the learner cannot reach would otherwise hold
+            # every push up for the whole timeout, once per push.
+            if not await link.client.reachable(self.control_timeout_s):
+                raise EngineError(f"{link.name}: /health did not answer within {self.control_timeout_s:g} s")
             link.load_format = self.load_format
             if self.load_format == FLATTENED_BUCKET and not await link.client.supports_flattened_bucket():
                 link.load_format = None
@@ -382,18 +391,23 @@ class WeightPusher:
         once all of it landed; the prefix cache, computed with the old weights, dropped; go on. An
         engine that failed stays paused: it may hold half-written weights (the embedded engine holds
         them anyway); the next update to it, a full one, lets it go on."""
-        await self._each(targets, failed, "pause_generation", lambda c: c.pause_generation())
+        quick = self.control_timeout_s
+        await self._each(targets, failed, "pause_generation", lambda c: c.pause_generation(), quick)
         await self._each(targets, failed, "begin_weight_update", lambda c: c.begin_weight_update())
         await update()
         await self._each(targets, failed, "end_weight_update", lambda c: c.end_weight_update())
         # The version and the flush are independent of each other; both must precede continue.
         await asyncio.gather(
             self._each(
-                targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version))
+                targets,
+                failed,
+                "update_weight_version",
+                lambda c: c.update_weight_version(str(version)),
+                quick,
             ),
-            self._each(targets, failed, "flush_cache", lambda c: c.flush_cache()),
+            self._each(targets, failed, "flush_cache", lambda c: c.flush_cache(), quick),
         )
-        await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation())
+        await self._each(targets, failed, "continue_generation", lambda c: c.continue_generation(), quick)
 
     async def _check(
         self, targets: list[EngineLink], failed: dict[str, str], rows: dict[str, torch.Tensor]
@@ -576,12 +590,17 @@ class WeightPusher:
         failed: dict[str, str],
         what: str,
         call: Callable[[EngineClient], Awaitable[object]],
+        deadline_s: float | None = None,
     ) -> None:
-        """``call`` on every engine not failed yet, concurrently; an engine whose call fails fails."""
+        """``call`` on every engine not failed yet, concurrently; an engine whose call fails, or
+        does not answer within ``deadline_s`` (default: its client's timeout), fails."""
 
         async def one(link: EngineLink) -> None:
             try:
-                await call(link.client)
+                await asyncio.wait_for(call(link.client), deadline_s)
+            except TimeoutError:
+                failed[link.name] = f"{what}: no answer within {deadline_s:g} s"
+                log.error("engine %s: %s: no answer within %g s", link.name, what, deadline_s)
             except (EngineError, OSError) as e:
                 failed[link.name] = f"{what}: {e}"
                 log.error("engine %s: %s failed: %s", link.name, what, e)

@@ -353,3 +353,53 @@ def test_a_trainer_dying_midway_holds_generation_until_a_complete_push(launcher,
     assert httpx.get(engine.url + "/health_generate", timeout=30).status_code == 200
     assert engine_greedy(engine.url) == greedy_reference(target, PROMPTS)
     launcher.stop(engine.process)
+
+
+def test_an_engine_cut_off_costs_a_push_the_control_timeout_not_the_push_timeout(
+    launcher, tiny_model_dir, models
+):
+    """One engine is reached through a proxy that stops forwarding (a partition: silence, no
+    reset). The push timeout is 300 s; the control calls' is 2 s: the push with the engine cut off
+    drops it after that, the other engine gets the weights, a relink fails as fast, and once the
+    network heals the next push reaches it again."""
+    from tests.netproxy import PartitionableProxy
+
+    start, target = models
+    near = launcher.start_engine(tiny_model_dir, name="near")
+    far = launcher.start_engine(tiny_model_dir, name="far")
+    port = int(far.url.rsplit(":", 1)[1])
+    proxy = PartitionableProxy("127.0.0.1", port)
+
+    async def scenario():
+        clients = [
+            EngineClient(near.url, name="near", timeout_s=300),
+            EngineClient(f"http://{proxy.address}", name="far", timeout_s=300),
+        ]
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=300, control_timeout_s=2)
+        reports = []
+        try:
+            reports.append(await pusher.push(start.state_dict().items(), version=1))
+            proxy.partition()
+            reports.append(await pusher.push(target.state_dict().items(), version=2))
+            pusher.set_engines(clients)  # as the learner does before every push: "far" is relinked
+            reports.append(await pusher.push(target.state_dict().items(), version=3))
+            proxy.heal()
+            pusher.set_engines(clients)
+            reports.append(await pusher.push(target.state_dict().items(), version=4))
+            return reports
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    try:
+        first, cut, relink, healed = asyncio.run(scenario())
+    finally:
+        proxy.close()
+    assert not first.failed
+    assert cut.failed == {"far": "pause_generation: no answer within 2 s"}
+    assert "/health did not answer within 2 s" in relink.failed["far"]
+    assert not healed.failed and sorted(healed.engines) == ["far", "near"]
+    assert engine_greedy(near.url) == engine_greedy(far.url) == greedy_reference(target, PROMPTS)
+    launcher.stop(near.process)
+    launcher.stop(far.process)
