@@ -10,9 +10,9 @@ bound, and once the partition heals the replica must register and work again and
 finish having trained on every planned group exactly once (the late results of the partitioned
 replica are not trained on twice).
 
-What the run loses is time: a weight push to the cut-off engine waits out
-``rlmesh.weight_sync.timeout_s`` (10 s here, 300 s by default) before the learner drops it from
-that push; by the next push the replica has left the registry."""
+What the run loses is time: a weight push under way to the cut-off engine waits for its pause call
+for ``rlmesh.weight_sync.control_timeout_s`` (at most ``timeout_s``: 10 s here; 30 s by default)
+before the learner drops it from that push; by the next push the replica has left the registry."""
 
 from __future__ import annotations
 
