@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -412,14 +413,12 @@ class SamplerLoop:
                 )
             return out
 
-        attempt = 0
+        # A fresh request id per attempt: the engine refuses one that is still running, and a retry
+        # must not wait on (or be confused with) the request it replaces.
+        attempts = itertools.count(1)
 
         def rid() -> str:
-            # A fresh request id per attempt: the engine refuses one that is still running, and a
-            # retry must not wait on (or be confused with) the request it replaces.
-            nonlocal attempt
-            attempt += 1
-            return f"{task.uid}#{attempt}"
+            return f"{task.uid}#{next(attempts)}"
 
         return await self._call(generate, None, self.engine_breaker, "engine")
 
