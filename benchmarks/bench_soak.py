@@ -143,11 +143,14 @@ def main() -> int:
     run_dir, redis_url = Path(run[1]).parent, m[1]
     samples, kills, t0 = [], [], time.monotonic()
     try:
-        for step in range(args.kill_every, args.steps + 1, args.kill_every):
+        # The last sample is taken once step steps-1 is done: after the last step the learner
+        # validates, exports and exits, and its memory would be missing from the table.
+        points = [*range(args.kill_every, args.steps, args.kill_every), args.steps - 1]
+        for step in points:
             if demo.wait_for(rf"\] step +{step}/{args.steps} ") is None:
                 break
             samples.append(sample(demo, run_dir, redis_url, step))
-            if step < args.steps:
+            if step % args.kill_every == 0:
                 victim = f"rollout-{(step // args.kill_every - 1) % 2}"
                 pid = demo.pid(victim)
                 os.kill(pid, signal.SIGKILL)
@@ -165,6 +168,7 @@ def main() -> int:
         return 1
     first, last = samples[0], samples[-1]
     scale = 1000 / max(1, last["step"] - first["step"])
+    missing = sorted(set(first["rss"]) ^ set(last["rss"]))
 
     def row(what: str, a: float, b: float, unit: str) -> str:
         return f"| {what} | {a:.1f} {unit} | {b:.1f} {unit} | {(b - a) * scale:+.1f} {unit} |"
@@ -181,6 +185,8 @@ def main() -> int:
     for part in sorted(set(first["disk"]) | set(last["disk"])):
         print(row(f"disk {part}/", first["disk"].get(part, 0.0), last["disk"].get(part, 0.0), "MiB"))
     print("\n(replicas killed and restarted: their RSS is a fresh process's at the end)")
+    if missing:
+        print(f"(not in both samples: {', '.join(missing)})")
     return 0 if code == 0 else 1
 
 
