@@ -75,7 +75,7 @@ docs: venv
 protos: venv
 	$(BIN)/python -m rlmesh.wire.protogen
 
-# The fuzz tests with many random draws (`make test` runs a fixed sample of 40 per property).
+# The fuzz tests with many random draws (`make test` runs a fixed sample of 20 per property).
 fuzz: venv redis-server
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
 
