@@ -77,7 +77,7 @@ protos: venv
 
 # The fuzz tests with many random draws (`make test` runs a fixed sample of 20 per property).
 fuzz: venv redis-server
-	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
+	FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/fuzz
 
 # 1,000 demo steps with a replica killed every 100: memory, Redis and disk growth (~30 min).
 bench-soak: venv redis-server

@@ -158,6 +158,13 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
                 with pytest.raises(grpc.RpcError) as bad:
                     stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(kl_coef=value))
                 assert "must be a finite number" in bad.value.details()
+            fuzz_the_learner_service(channel)
+            # What the fuzz left pending is replaced before the run goes on.
+            stub.UpdateHyperparams(
+                learner_pb2.UpdateHyperparamsRequest(
+                    lr=3e-5, entropy_coeff=0.01, kl_coef=0.001, temperature=1.0
+                )
+            )
             stub.Resume(common_pb2.Empty())
             wait_until(lambda: stub.GetStatus(common_pb2.Empty()).step > held, 300, "training to go on")
             status = stub.GetStatus(common_pb2.Empty())
@@ -166,3 +173,42 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
         assert learner.process.popen.wait(timeout=300) == 0, learner.process.log_tail(40)
         last = latest_checkpoint(str(run_dir))
         assert last is not None and int(last.rsplit("_", 1)[1]) > held
+
+
+def fuzz_the_learner_service(channel: grpc.Channel) -> None:
+    """The learner's RPCs that change nothing but pending hyper-parameters, fuzzed as the other
+    services are (``tests/fuzz/``): any message or bytes get OK or INVALID_ARGUMENT naming a field,
+    and the learner answers on. (Pause, Stop and SaveCheckpoint act on the run: not fuzzed.)"""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.fuzz.protostrategies import FUZZ, build, message_dicts, names_in
+
+    methods = {
+        "/rlmesh.v1.Learner/UpdateHyperparams": learner_pb2.UpdateHyperparamsRequest,
+        "/rlmesh.v1.Learner/GetStatus": common_pb2.Empty,
+    }
+
+    def check(method: str, payload: bytes) -> None:
+        try:
+            channel.unary_unary(method)(payload, timeout=30)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {e.code().name}: {e.details()}"
+            assert any(n in (e.details() or "") for n in names_in(methods[method].DESCRIPTOR)), e.details()
+
+    @FUZZ
+    @given(values=message_dicts(learner_pb2.UpdateHyperparamsRequest.DESCRIPTOR))
+    def messages(values):
+        check(
+            "/rlmesh.v1.Learner/UpdateHyperparams",
+            build(learner_pb2.UpdateHyperparamsRequest, values).SerializeToString(),
+        )
+
+    @FUZZ
+    @given(method=st.sampled_from(sorted(methods)), payload=st.binary(max_size=200))
+    def raw(method, payload):
+        check(method, payload)
+
+    messages()
+    raw()
+    assert learner_pb2_grpc.LearnerStub(channel).GetStatus(common_pb2.Empty(), timeout=30).paused

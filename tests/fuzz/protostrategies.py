@@ -5,10 +5,23 @@ generation's ``n`` or ``max_new_tokens``), always keeping values past every cap 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+# `make test`: the same 20 examples per property on every run (main stays green on a fixed
+# sample); `make fuzz` (FUZZ_EXAMPLES=1000): many more, drawn at random.
+_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
+FUZZ = settings(
+    max_examples=_EXAMPLES or 20,
+    derandomize=not _EXAMPLES,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)

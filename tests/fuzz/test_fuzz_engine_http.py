@@ -13,16 +13,13 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rlmesh.engine.sampling import KNOWN_KEYS
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
-
-FUZZ = settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
+from tests.fuzz.protostrategies import FUZZ
 
 json_values = st.recursive(
     st.none()

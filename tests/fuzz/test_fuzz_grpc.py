@@ -17,14 +17,14 @@ import uuid
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
-from tests.fuzz.protostrategies import build, message_dicts, names_in
+from tests.fuzz.protostrategies import FUZZ, build, message_dicts, names_in
 
 RUN = f"fuzz-{uuid.uuid4().hex[:6]}"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
@@ -54,10 +54,6 @@ METHODS = [
         {"truncate_size": (-2, 16)},
     ),
 ]
-FUZZ = settings(
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
 
 
 @pytest.fixture(scope="module")
