@@ -184,6 +184,10 @@ def main() -> int:
     print(row("Redis keys", first["redis"]["keys"], last["redis"]["keys"], ""))
     for part in sorted(set(first["disk"]) | set(last["disk"])):
         print(row(f"disk {part}/", first["disk"].get(part, 0.0), last["disk"].get(part, 0.0), "MiB"))
+    print("\nRSS (MiB) at steps " + ", ".join(str(x["step"]) for x in samples) + ":")
+    for name in ("learner", "reference", "reward", "redis-server", "rlmesh demo"):
+        if all(name in x["rss"] for x in samples):
+            print(f"  {name}: " + " ".join(f"{x['rss'][name]:.0f}" for x in samples))
     print("\n(replicas killed and restarted: their RSS is a fresh process's at the end)")
     if missing:
         print(f"(not in both samples: {', '.join(missing)})")
