@@ -28,11 +28,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
 from rlmesh.config import EngineSettings, OptimConfig
+from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import init_distributed
-from rlmesh.learner.engine import build_engine
 from rlmesh.learner.forward import MicroBatch, actor_forward, critic_forward
 from rlmesh.learner.models import load_actor_model, load_critic_model
-from rlmesh.learner.weights import iter_weight_buckets
+from rlmesh.learner.weight_buckets import iter_weight_buckets
 from rlmesh.models import build_tiny_model, build_tokenizer
 
 

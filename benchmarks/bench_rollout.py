@@ -31,9 +31,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.weight_push import WeightPusher
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.weights.push import WeightPusher
 
 torch.set_num_threads(1)
 

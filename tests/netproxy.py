@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import threading
 
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
 
 CHUNK = 64 * 1024
 

@@ -28,7 +28,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_up(args: argparse.Namespace, rest: list[str]) -> int:
-    from rlmesh.runtime.stack import run_stack
+    from rlmesh.job.stack import run_stack
 
     return run_stack(
         config_path=args.config, overrides=rest, services=args.services, hold=args.hold, workdir=args.workdir

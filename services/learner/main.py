@@ -1,6 +1,6 @@
 """Learner service: PPO under DeepSpeed (actor + critic), weight push, checkpoints.
 
-Rank 0 serves ``rlmesh.v1.Learner`` and runs the training loop (``rlmesh.training.loop``): it
+Rank 0 serves ``rlmesh.v1.Learner`` and runs the training loop (``rlmesh.learner.loop``): it
 feeds prompt tasks, collects trajectory batches, trains, pushes weights to every live rollout
 replica, checkpoints and validates. Other ranks run the same trainer collectives as rank 0
 announces them. The ranks come from a launcher (``torchrun``, ``deepspeed``: its environment
@@ -40,7 +40,7 @@ def make_trainer(cfg: RLMeshConfig, total_steps: int) -> Any:
 
 
 async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
-    from rlmesh.training.loop import TrainingLoop, learner_env_defaults
+    from rlmesh.learner.loop import TrainingLoop, learner_env_defaults
     from rlmesh_services.learner.servicer import LearnerServicer
 
     if not cfg.rlmesh.run_id:
@@ -86,7 +86,7 @@ def follower_main(argv: Sequence[str] | None) -> int:
     failed here (rank 0 then sees this process exit and fails too).
     """
     from rlmesh.learner.dist import shutdown_distributed
-    from rlmesh.training.loop import RankZeroLost, TrainingLoop, follow
+    from rlmesh.learner.loop import RankZeroLost, TrainingLoop, follow
 
     limit_torch_threads()
     args = service_arg_parser("learner").parse_args(argv)

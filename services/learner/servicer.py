@@ -8,7 +8,7 @@ import math
 
 import grpc
 
-from rlmesh.training.loop import TrainingLoop
+from rlmesh.learner.loop import TrainingLoop
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger("rlmesh.learner")

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from rlmesh.config import RLMeshConfig
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
+from rlmesh.queue.policy import read_policy
 from rlmesh.reference.client import ReferenceClient
 from rlmesh.reward.client import RewardClient
 from rlmesh.rollout.engines import start_engine
-from rlmesh.rollout.policy import read_policy
 from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, parse_version
 from rlmesh.runtime.entry import service_main

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlmesh.config import load_config
-from rlmesh.data import PromptSampler, RLHFDataset, generate_arithmetic
+from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from tests.helpers import child_env
 
@@ -192,7 +192,7 @@ def planned_prompts(files: Files, run_dir: Path, steps: int) -> dict[int, list[i
     """Dataset indices of every step's prompts, as the learner's data cursor draws them."""
     cfg = load_config(str(CONFIG), overrides(files, run_dir, steps))
     dataset = RLHFDataset.from_config(cfg.data, load_tokenizer(files.model), split="train")
-    sampler = PromptSampler.from_config(cfg.data, dataset)
+    sampler = PromptCursor.from_config(cfg.data, dataset)
     return {s: [dataset[i].index for i in sampler.next_indices(BATCH)] for s in range(1, steps + 1)}
 
 

@@ -26,7 +26,8 @@ import pytest
 import redis as redis_sync
 
 from rlmesh.queue import ROLLOUT_GROUP, ReplicaRegistry, RunKeys, connect
-from rlmesh.runtime.launcher import ProcessLauncher, free_port
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 from tests.chaos.jobs import CONFIG, KILL_AT, RECOVERY_BOUND_S, Files, Job, audit, overrides, step_line
 from tests.helpers import wait_until

@@ -12,10 +12,10 @@ import httpx
 import torch
 
 from rlmesh.data import generate_arithmetic
+from rlmesh.job.stack import free_port_overrides, start_stack
 from rlmesh.learner.sft import arithmetic_examples, run_sft
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher, ServiceInstance
-from rlmesh.runtime.stack import free_port_overrides, start_stack
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]

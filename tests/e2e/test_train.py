@@ -393,8 +393,8 @@ def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
     """Given rlmesh.redis_url and rlmesh.reward.addresses, rlmesh train starts neither and uses them."""
     import redis as redis_client
 
+    from rlmesh.job.stack import free_port_overrides
     from rlmesh.runtime.launcher import ProcessLauncher
-    from rlmesh.runtime.stack import free_port_overrides
 
     run_dir = tmp_path / "attached-run"
     with ProcessLauncher(tmp_path / "theirs") as theirs:

@@ -6,7 +6,7 @@
 Every key has a description; `keys_markdown_table()` renders them all for the README.
 """
 
-from rlmesh.config.actor import (
+from rlmesh.config.actor_rollout_ref import (
     ActorConfig,
     ActorRolloutRefConfig,
     ModelConfig,
@@ -16,10 +16,10 @@ from rlmesh.config.actor import (
     ValKwargs,
 )
 from rlmesh.config.base import COMPAT_DESCRIPTION, ConfigWarning
-from rlmesh.config.engine import DeepSpeedConfig, EngineSettings, FsdpConfig, OptimConfig
 from rlmesh.config.errors import ConfigError
 from rlmesh.config.keys import ConfigKey, config_keys, keys_markdown_table
 from rlmesh.config.loader import ENV_AUTH_TOKEN, config_from_dict, dump_yaml, given_keys, load_config
+from rlmesh.config.optim import DeepSpeedConfig, EngineSettings, FsdpConfig, OptimConfig
 from rlmesh.config.rlmesh_section import (
     SERVICE_PORTS,
     QueueConfig,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlmesh.config.engine import EngineSettings
+from rlmesh.config.optim import EngineSettings
 from rlmesh.config.sections import GROUP_ESTIMATORS
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from rlmesh.config.actor import ActorRolloutRefConfig
+from rlmesh.config.actor_rollout_ref import ActorRolloutRefConfig
 from rlmesh.config.base import CrossFieldProblems, Section, compat
 from rlmesh.config.checks import cross_field_problems, cross_field_warnings
 from rlmesh.config.rlmesh_section import RlmeshSection

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 from pydantic import Field, field_validator
 
 from rlmesh.config.base import STRATEGY_DESCRIPTION, KLPenalty, LossAggMode, Section, Strategy, compat
-from rlmesh.config.engine import (
+from rlmesh.config.optim import (
     CriticOptimConfig,
     DeepSpeedConfig,
     EngineSettings,

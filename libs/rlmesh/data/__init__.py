@@ -8,10 +8,10 @@ from rlmesh.data.arithmetic import (
     generate_arithmetic,
     make_arithmetic_rows,
 )
+from rlmesh.data.cursor import PromptCursor, iter_batches
 from rlmesh.data.dataset import PromptItem, RLHFDataset, read_parquet, truncate_ids
 from rlmesh.data.errors import DatasetError
 from rlmesh.data.gsm8k import GSM8K_DATA_SOURCE, GSM8K_INSTRUCTION, convert_gsm8k, extract_gsm8k_solution
-from rlmesh.data.sampler import PromptSampler, iter_batches
 
 __all__ = [
     "ARITHMETIC_DATA_SOURCE",
@@ -19,8 +19,8 @@ __all__ = [
     "GSM8K_DATA_SOURCE",
     "GSM8K_INSTRUCTION",
     "DatasetError",
+    "PromptCursor",
     "PromptItem",
-    "PromptSampler",
     "RLHFDataset",
     "convert_gsm8k",
     "evaluate_expression",

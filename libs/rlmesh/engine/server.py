@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from rlmesh.engine.batching import BatchEngine, DuplicateRequestError, GenerationRequest  # noqa: E402
 from rlmesh.engine.sampling import SamplingParamsError, parse_sampling_params  # noqa: E402
-from rlmesh.engine.weights import EngineWeights, WeightUpdateError, check_load_format  # noqa: E402
+from rlmesh.engine.weight_updates import EngineWeights, WeightUpdateError, check_load_format  # noqa: E402
 from rlmesh.runtime.logs import configure_logging  # noqa: E402
 
 log = logging.getLogger("rlmesh.engine")

@@ -164,9 +164,9 @@ def run_job(
     import grpc
 
     from rlmesh.config import load_config
+    from rlmesh.job.stack import start_stack
     from rlmesh.runtime.auth import bearer_metadata
     from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
-    from rlmesh.runtime.stack import start_stack
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
     t0 = time.monotonic()

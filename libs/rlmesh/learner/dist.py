@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
 
 __all__ = [
     "all_reduce_sum",

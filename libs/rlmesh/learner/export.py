@@ -25,7 +25,7 @@ import torch
 from rlmesh.learner.checkpoint import CheckpointError, is_complete, latest_checkpoint
 from rlmesh.learner.hf_dir import write_hf_dir
 from rlmesh.learner.models import DTYPES, load_actor_model
-from rlmesh.learner.weights import iter_weight_buckets
+from rlmesh.learner.weight_buckets import iter_weight_buckets
 
 __all__ = ["export_checkpoint", "main"]
 

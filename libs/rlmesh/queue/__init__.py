@@ -6,7 +6,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from rlmesh.queue.client import connect, retry_forever
+from rlmesh.queue.connection import connect, retry_forever
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.registry import ReplicaRegistry
 from rlmesh.queue.streams import Delivery, QueueFullError, QueueMetrics, StreamQueue

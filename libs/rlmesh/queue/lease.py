@@ -16,7 +16,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from rlmesh.queue.client import TRANSIENT_ERRORS
+from rlmesh.queue.connection import TRANSIENT_ERRORS
 
 log = logging.getLogger("rlmesh.queue")
 

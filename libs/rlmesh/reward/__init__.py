@@ -4,6 +4,7 @@ model, the batch scoring core ``RewardScorer`` (no gRPC needed) and ``RewardClie
 ``rlmesh.reward.model`` (the reward model, imports torch) is imported only when a model is used.
 """
 
+from rlmesh.reward.addresses import get_reward_addresses, reward_addresses_key, set_reward_addresses
 from rlmesh.reward.builtin import BUILTIN_FUNCTIONS, DATA_SOURCES, builtin_for, default_compute_score
 from rlmesh.reward.client import RewardClient
 from rlmesh.reward.loader import (
@@ -13,14 +14,7 @@ from rlmesh.reward.loader import (
     load_reward_function,
 )
 from rlmesh.reward.scorer import InvalidRequestError, RewardMetrics, RewardScorer
-from rlmesh.runtime.addresses import (
-    AddressSource,
-    RedisAddresses,
-    StaticAddresses,
-    get_reward_addresses,
-    reward_addresses_key,
-    set_reward_addresses,
-)
+from rlmesh.runtime.addresses import AddressSource, RedisAddresses, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller, ServiceCallError
 
 __all__ = [

@@ -14,7 +14,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.runtime.addresses import AddressSource, RedisAddresses, StaticAddresses
+from rlmesh.reward.addresses import reward_address_source
+from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -54,7 +55,7 @@ class RewardClient:
         fallback = section.client_addresses()
         source: AddressSource
         if redis is not None and cfg.rlmesh.run_id:
-            source = RedisAddresses.for_reward(redis, cfg.rlmesh.run_id, fallback=fallback)
+            source = reward_address_source(redis, cfg.rlmesh.run_id, fallback=fallback)
         else:
             source = StaticAddresses(fallback)
         kwargs.setdefault("token", cfg.rlmesh.auth_token)

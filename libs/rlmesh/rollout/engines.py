@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher, free_port
+from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
+from rlmesh.runtime.net import free_port
 
 log = logging.getLogger("rlmesh.rollout")
 

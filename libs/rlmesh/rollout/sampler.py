@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.queue.client import TRANSIENT_ERRORS, retry_forever
+from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_forever
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2

@@ -1,11 +1,6 @@
-"""Where clients find a service: a fixed list, or a list in Redis read at each call.
-
-The reward address list of a run lives at ``rlmesh:{<run>}:reward_addresses`` (``RunKeys.scoped``) as
-one JSON array of ``host:port`` strings, so a swap is one atomic SET and a reader needs one GET. A
-``RedisAddresses`` source re-reads it at most every ``cache_s`` seconds (default 0.5), so rollout
-replicas follow a swap within a second without a restart; while the key is absent or empty, or Redis
-cannot be reached, it serves the last list it read, else its fallback (the configured addresses).
-"""
+"""Where clients find a service: a fixed list, or a JSON list at a Redis key read at each call
+(cached ``cache_s``; the last list read, else the fallback, while the key is unset or Redis is
+down). docs/reliability.md describes swapping a service through it."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from rlmesh.queue.keys import RunKeys
-
 log = logging.getLogger("rlmesh.client")
 
-REWARD_ADDRESSES = "reward_addresses"
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
@@ -51,10 +43,6 @@ class StaticAddresses:
         return f"StaticAddresses({self._addresses})"
 
 
-def reward_addresses_key(run_id: str) -> str:
-    return RunKeys(run_id).scoped(REWARD_ADDRESSES)
-
-
 class RedisAddresses:
     """The list stored at ``key`` (a JSON array), cached for ``cache_s`` seconds."""
 
@@ -65,12 +53,6 @@ class RedisAddresses:
         self.cache_s = cache_s
         self._cached: list[str] | None = None
         self._read_at = float("-inf")
-
-    @classmethod
-    def for_reward(
-        cls, redis: Any, run_id: str, *, fallback: Sequence[str] = (), cache_s: float = 0.5
-    ) -> RedisAddresses:
-        return cls(redis, reward_addresses_key(run_id), fallback=fallback, cache_s=cache_s)
 
     async def addresses(self) -> list[str]:
         now = time.monotonic()
@@ -116,13 +98,3 @@ async def set_addresses(redis: Any, key: str, addresses: Sequence[str]) -> list[
 
 async def get_addresses(redis: Any, key: str) -> list[str] | None:
     return _parse(await redis.get(key), key)
-
-
-async def set_reward_addresses(redis: Any, run_id: str, addresses: Sequence[str]) -> list[str]:
-    """Points every reward client of the run at ``addresses`` (they follow within ``cache_s``)."""
-    return await set_addresses(redis, reward_addresses_key(run_id), addresses)
-
-
-async def get_reward_addresses(redis: Any, run_id: str) -> list[str] | None:
-    """The run's reward address list in Redis, or None when none is set."""
-    return await get_addresses(redis, reward_addresses_key(run_id))

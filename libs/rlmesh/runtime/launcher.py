@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from types import TracebackType
 
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
+from rlmesh.runtime.net import free_port
 
 log = logging.getLogger("rlmesh.launcher")
 
@@ -42,12 +42,6 @@ class LaunchError(RuntimeError):
         super().__init__(message)
         self.headline = headline or message
         self.log_path = log_path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # Runs first in every child: asks the kernel to SIGTERM it when the launcher dies, then becomes

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import rlmesh.weights.push as push_module
+import rlmesh.learner.weight_push as push_module
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.weight_push import WeightPusher, WeightPushError
 from rlmesh.weights.bucket import flatten_tensors, layout, tensor_views
-from rlmesh.weights.push import WeightPusher, WeightPushError
 from tests.helpers import child_env, wait_until
 
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [80, 81, 82]]
@@ -293,7 +293,7 @@ TRAINER_DIES_MIDWAY = """
 import asyncio, os, sys, httpx, torch
 from transformers import AutoModelForCausalLM
 from rlmesh.engine.client import EngineClient
-from rlmesh.weights.push import WeightPusher
+from rlmesh.learner.weight_push import WeightPusher
 
 url, model_dir = sys.argv[1], sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

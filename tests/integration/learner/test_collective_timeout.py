@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
 from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parents[3]

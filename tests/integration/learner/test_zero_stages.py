@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlmesh.learner.export import export_checkpoint
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
 from tests.helpers import child_env
 from tests.integration.learner.common import TIMING_PREFIXES, run_uneven_case, run_zero_case
 

@@ -15,7 +15,8 @@ from rlmesh.models import build_tokenizer
 from rlmesh.queue import connect
 from rlmesh.reward import RewardClient, ServiceCallError, get_reward_addresses, set_reward_addresses
 from rlmesh.runtime.health import scrape_metrics
-from rlmesh.runtime.launcher import LaunchError, ProcessLauncher, free_port
+from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 TOKEN = "s3cret-token"

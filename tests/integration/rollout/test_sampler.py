@@ -16,7 +16,8 @@ from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings
-from rlmesh.runtime.launcher import ProcessLauncher, free_port
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.runtime.net import free_port
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import (
     common_pb2,

@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
-from rlmesh.rollout.policy import publish_policy
-from rlmesh.runtime.launcher import ProcessLauncher, free_port
+from rlmesh.queue.policy import publish_policy
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trajectory_pb2
 from rlmesh.weights.bucket import flatten_tensors
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group

@@ -39,10 +39,10 @@ def test_sglang_generate_and_weight_push(tmp_path):
     verify step would get a 400)."""
     from transformers import AutoModelForCausalLM
 
+    from rlmesh.learner.weight_push import WeightPusher
     from rlmesh.models import build_tiny_model, build_tokenizer
     from rlmesh.rollout.engines import start_engine
     from rlmesh.runtime.launcher import ProcessLauncher
-    from rlmesh.weights.push import WeightPusher
 
     tok = build_tokenizer()
     shape = {"arch": "llama", "hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2}

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlmesh.engine.weights import EngineWeights, WeightUpdateError
-from rlmesh.runtime.launcher import free_port
+from rlmesh.engine.weight_updates import EngineWeights, WeightUpdateError
+from rlmesh.runtime.net import free_port
 from rlmesh.weights.bucket import flatten_tensors, layout, packed_bytes, tensor_views, unflatten_tensors
 
 

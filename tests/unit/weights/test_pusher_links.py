@@ -3,8 +3,8 @@
 import torch
 
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.weight_push import VERIFY_ROWS, VerifySample, WeightPusher, aligned, same_values
 from rlmesh.weights.bucket import layout
-from rlmesh.weights.push import VERIFY_ROWS, VerifySample, WeightPusher, aligned, same_values
 
 
 def test_a_failed_engine_listed_again_with_the_same_client_keeps_it_open():

@@ -35,8 +35,14 @@ import torch.distributed as dist
 
 from rlmesh.algo import get_kl_controller
 from rlmesh.config import RLMeshConfig
-from rlmesh.data import PromptSampler, RLHFDataset
+from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.collect import BatchCollector, StepBatch
+from rlmesh.learner.feeder import PromptFeeder, index_of
+from rlmesh.learner.recovery import LostGroupRecovery
+from rlmesh.learner.sinks import MetricsSinks
+from rlmesh.learner.validation import val_sampling, validate
+from rlmesh.learner.weight_push import WeightPusher, WeightPushError
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
     ReplicaRegistry,
@@ -47,17 +53,11 @@ from rlmesh.queue import (
     retry_forever,
     trajectory_queue,
 )
-from rlmesh.queue.client import TRANSIENT_ERRORS
+from rlmesh.queue.connection import TRANSIENT_ERRORS
 from rlmesh.queue.lease import RunLease
+from rlmesh.queue.policy import publish_policy
 from rlmesh.reward.client import RewardClient
-from rlmesh.rollout.policy import publish_policy
-from rlmesh.training.collect import BatchCollector, StepBatch
-from rlmesh.training.feeder import PromptFeeder, index_of
-from rlmesh.training.recovery import LostGroupRecovery
-from rlmesh.training.sinks import MetricsSinks
-from rlmesh.training.validation import val_sampling, validate
 from rlmesh.v1 import common_pb2, trajectory_pb2
-from rlmesh.weights.push import WeightPusher, WeightPushError
 
 log = logging.getLogger("rlmesh.learner")
 # How long the learner waits for an unreachable Redis before the run fails.
@@ -244,7 +244,7 @@ class TrainingLoop:
         self.val_set = (
             RLHFDataset.from_config(cfg.data, self.tokenizer, split="val") if cfg.data.val_files else None
         )
-        self.sampler = PromptSampler.from_config(cfg.data, self.train_set)
+        self.sampler = PromptCursor.from_config(cfg.data, self.train_set)
         self.state.total_steps = total_training_steps(cfg, len(self.train_set))
         self.trainer = make_trainer(cfg, self.state.total_steps)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
@@ -747,7 +747,7 @@ def _rollout_timings(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]
 
 def learner_env_defaults() -> None:
     """Single-process DeepSpeed needs the env a launcher would set (deepspeed-cpu notes)."""
-    from rlmesh.runtime.launcher import free_port
+    from rlmesh.runtime.net import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -20,7 +20,7 @@ from rlmesh.config.base import (
     Strategy,
     compat,
 )
-from rlmesh.config.engine import (
+from rlmesh.config.optim import (
     DeepSpeedConfig,
     EngineSettings,
     FsdpConfig,

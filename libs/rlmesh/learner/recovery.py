@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from rlmesh.training.collect import BatchCollector
-from rlmesh.training.feeder import PromptFeeder
+from rlmesh.learner.collect import BatchCollector
+from rlmesh.learner.feeder import PromptFeeder
 
 log = logging.getLogger("rlmesh.learner")
 

@@ -5,10 +5,10 @@ import uuid
 
 import pytest
 
+from rlmesh.learner.collect import BatchCollector
+from rlmesh.learner.feeder import PromptFeeder, group_uid, incarnation_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.training.collect import BatchCollector
-from rlmesh.training.feeder import PromptFeeder, group_uid, incarnation_of
 from rlmesh.v1 import trajectory_pb2
 from tests.helpers import prompt_items
 
@@ -124,12 +124,12 @@ async def test_collect_times_out_naming_what_is_missing(redis_url):
 
 
 async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the_cursor(redis_url, tmp_path):
-    from rlmesh.data import PromptSampler
+    from rlmesh.data import PromptCursor
 
     redis = connect(redis_url)
     keys = RunKeys(f"f-{uuid.uuid4().hex[:6]}")
     items = prompt_items(10)
-    sampler = PromptSampler(len(items), shuffle=True, seed=1)
+    sampler = PromptCursor(len(items), shuffle=True, seed=1)
     queue = prompt_queue(redis, keys, "learner")
     await queue.ensure_group()
     feeder = PromptFeeder(queue, items, sampler, batch_size=3, n=2, incarnation=4)
@@ -137,7 +137,7 @@ async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the
     assert await feeder.ensure(1, version=0, max_staleness=1) == []
     assert await queue.length() == 6
     after_step_1 = feeder.cursor_after(1)
-    replay = PromptSampler(len(items), shuffle=True, seed=1)
+    replay = PromptCursor(len(items), shuffle=True, seed=1)
     replay.load_state_dict(after_step_1)
     assert replay.next_indices(3) == [int(i) for i in sampler.epoch_order(0)[3:6]]
     tasks = [d.message for d in await queue.claim(6)]

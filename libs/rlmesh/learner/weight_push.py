@@ -23,10 +23,8 @@ client's: nothing hangs silently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -37,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
+from rlmesh.runtime.threads import run_in_daemon_thread
 from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, flatten_tensors, packed_bytes
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
 
@@ -166,33 +165,6 @@ def _wait_all(works: Sequence[dist.Work]) -> None:
         work.wait()
 
 
-def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-    """Runs a blocking call in a daemon thread. A rendezvous whose engine never came, or a broadcast
-    abandoned to an engine that refused it, waits out its deadline and cannot be cancelled; in asyncio's executor it would hold up the process's exit
-    (those threads are joined), so a learner told to stop would hang for the deadline."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # handed to the awaiting task
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="weight-sync", daemon=True).start()
-    return future
-
-
 class WeightPusher:
     def __init__(
         self,
@@ -278,7 +250,7 @@ class WeightPusher:
         link.group_name = f"{self.group_prefix}_{self._generation}"
         port = free_port(self.master_address)
         world = 1 + link.ranks
-        own = _in_daemon_thread(
+        own = run_in_daemon_thread(
             init_custom_process_group,
             self.backend,
             f"tcp://{self.master_address}:{port}",
@@ -286,6 +258,7 @@ class WeightPusher:
             0,
             link.group_name,
             self.timeout_s,
+            name="weight-sync",
         )
         try:
             # An engine registered at an address the learner cannot reach would otherwise hold
@@ -549,7 +522,7 @@ class WeightPusher:
         our broadcast to it completed refused the update (or failed receiving): its broadcast is
         abandoned — not waited out to the group's deadline — and its group left alone."""
         if error is None and works is not None:
-            sent = _in_daemon_thread(_wait_all, works)
+            sent = run_in_daemon_thread(_wait_all, works, name="weight-sync")
             await asyncio.wait({sent, call}, return_when=asyncio.FIRST_COMPLETED)
             if not sent.done() and call.exception() is not None:
                 link.busy = True

@@ -5,12 +5,12 @@ import uuid
 
 import pytest
 
-from rlmesh.data import PromptSampler
+from rlmesh.data import PromptCursor
+from rlmesh.learner.collect import BatchCollector
+from rlmesh.learner.feeder import PromptFeeder
+from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.training.collect import BatchCollector
-from rlmesh.training.feeder import PromptFeeder
-from rlmesh.training.recovery import LostGroupRecovery
 from rlmesh.v1 import trajectory_pb2
 from tests.helpers import prompt_items
 
@@ -31,7 +31,7 @@ async def run(redis_url):
     prompts = prompt_queue(redis, keys, "learner")
     await prompts.ensure_group()
     feeder = PromptFeeder(
-        prompts, items, PromptSampler(len(items), shuffle=False), batch_size=4, n=N, incarnation=1
+        prompts, items, PromptCursor(len(items), shuffle=False), batch_size=4, n=N, incarnation=1
     )
     learner_side = trajectory_queue(redis, keys, "learner-0")
     await learner_side.ensure_group()

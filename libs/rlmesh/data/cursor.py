@@ -22,7 +22,7 @@ import numpy as np
 from rlmesh.data.dataset import PromptItem, _cfg_get
 
 
-class PromptSampler:
+class PromptCursor:
     """Hands out batches of dataset indices (or items) epoch after epoch."""
 
     def __init__(
@@ -31,7 +31,7 @@ class PromptSampler:
         self.dataset = None if isinstance(dataset, int) else dataset
         self.num_items = dataset if isinstance(dataset, int) else len(dataset)
         if self.num_items <= 0:
-            raise ValueError("PromptSampler needs a non-empty dataset")
+            raise ValueError("PromptCursor needs a non-empty dataset")
         if seed is not None and seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.shuffle = shuffle
@@ -45,7 +45,7 @@ class PromptSampler:
         self._order_epoch = -1
 
     @classmethod
-    def from_config(cls, data_cfg: Any, dataset: Sized | int, *, drop_last: bool = True) -> PromptSampler:
+    def from_config(cls, data_cfg: Any, dataset: Sized | int, *, drop_last: bool = True) -> PromptCursor:
         """Reads verl's ``data.shuffle`` and ``data.seed``."""
         return cls(
             dataset,

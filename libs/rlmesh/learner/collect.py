@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from rlmesh.learner.feeder import incarnation_of
 from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
-from rlmesh.training.feeder import incarnation_of
 from rlmesh.v1 import trajectory_pb2
 
 log = logging.getLogger("rlmesh.learner")

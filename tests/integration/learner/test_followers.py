@@ -6,7 +6,7 @@ a pause: that can take longer than the training group's timeout and the command 
 not end a healthy run (rank 0's keep-alives cover it), while a rank 0 that hangs must end it. Here
 the timeouts are made short so that a wait can outlast them within a test.
 
-The processes are this file run as a script: ``python -m tests.integration.training.test_followers
+The processes are this file run as a script: ``python -m tests.integration.learner.test_followers
 SCENARIO RANK PORT OUT_DIR``. Rank 1 runs ``follow`` with a fake trainer (this tests the channel,
 not training) and writes what it saw to ``OUT_DIR/rank1.json``."""
 
@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rlmesh.runtime.launcher import free_port
+from rlmesh.runtime.net import free_port
 from tests.helpers import child_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
@@ -52,7 +52,7 @@ class FakeTrainer:
 def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     import torch.distributed as dist
 
-    from rlmesh.training.loop import Followers, RankZeroLost, follow
+    from rlmesh.learner.loop import Followers, RankZeroLost, follow
 
     # The store has its own, long timeout: the two processes start (import torch) at their own
     # pace, and only the collectives are meant to have the short one.
@@ -97,7 +97,7 @@ def start(scenario: str, out_dir: Path) -> list[subprocess.Popen]:
             [
                 sys.executable,
                 "-m",
-                "tests.integration.training.test_followers",
+                "tests.integration.learner.test_followers",
                 scenario,
                 str(rank),
                 str(port),
