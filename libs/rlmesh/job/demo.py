@@ -6,6 +6,10 @@ in its own process.
    accuracy reaches a band, so the policy starts from the same place on every machine;
 2. then exactly ``rlmesh train`` with the demo's config (examples/cpu_demo.yaml) and the prepared
    paths: every service its own process, a live line per step, a summary, a plot, the export.
+
+The prepare step also points ``<workdir>/model`` and ``<workdir>/data`` at what it prepared last: the
+paths examples/cpu_demo.yaml and docker-compose.yml read by default, so ``rlmesh train -c
+examples/cpu_demo.yaml`` trains on the demo's model and data once ``rlmesh demo`` has run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from rlmesh.job.train import say_with
 
 # Shipped inside the package (examples/cpu_demo.yaml links to it), so an installed rlmesh has it.
 DEMO_CONFIG = Path(__file__).resolve().with_name("cpu_demo.yaml")
+# Names under the work dir that always point at the latest preparation: the demo config's
+# actor_rollout_ref.model.path and data files, and docker-compose.yml's defaults, read them.
+LATEST_MODEL, LATEST_DATA = "model", "data"
 # Dev accuracy is checked this often (optimizer steps of 32 examples) during the warm-up.
 SFT_EVAL_EVERY = 10
 WARMUP_BAND = 0.25
@@ -163,9 +170,28 @@ def prepare(
         sft_metrics["warmup_s"] = round(warmup_s, 1)
         marker.write_text(json.dumps(sft_metrics))
         say(f"supervised warm-up done in {warmup_s:.0f} s: dev score {result['dev_score']:.3f}")
-    return Prepared(
+    prepared = Prepared(
         base, sft, data / "train.parquet", data / "dev.parquet", data / "test.parquet", sft_metrics, warmup_s
     )
+    link_latest(workdir, prepared)
+    return prepared
+
+
+def link_latest(workdir: Path, prepared: Prepared) -> None:
+    """Points ``workdir/model`` at the warmed-up model and ``workdir/data`` at the task's data.
+
+    The links are relative (``prepared-<key>/sft-model``), so they still resolve when the work dir
+    is moved or mounted elsewhere (docker-compose.yml mounts ./runs into its containers), and each
+    is replaced in one rename. A real file or directory under either name is left as it is.
+    """
+    for name, target in ((LATEST_MODEL, prepared.sft_model), (LATEST_DATA, prepared.train.parent)):
+        link = workdir / name
+        if link.exists() and not link.is_symlink():
+            say(f"{link} is not a link: left as it is (the demo's {name} is {target})")
+            continue
+        tmp = workdir / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.symlink_to(os.path.relpath(target, workdir), target_is_directory=True)
+        os.replace(tmp, link)
 
 
 def prepare_from_args(args: argparse.Namespace) -> Prepared:
