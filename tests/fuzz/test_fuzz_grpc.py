@@ -4,8 +4,7 @@ INVALID_ARGUMENT naming a field or message of the request, never UNKNOWN/INTERNA
 
 Two kinds of input per method: messages drawn from the request's descriptor (every field's type,
 edge values, unset fields) and raw bytes that may not be a message at all. Rollout's RPCs that
-change the replica's state (pause, drain, weight groups) are not fuzzed here: a random
-``InitWeightsUpdateGroup`` would make the engine dial a random address.
+change the replica's state (pause, resume, drain) are not fuzzed here.
 
 ``make test`` runs a fixed, derandomized sample; ``make fuzz`` draws many more, at random."""
 
@@ -47,12 +46,6 @@ METHODS = [
     ("reference", "rlmesh.v1.Reference/GetInfo", common_pb2.Empty, {}),
     ("rollout", "rlmesh.v1.Rollout/Generate", rollout_pb2.GenerateRequest, GENERATION_BOUNDS),
     ("rollout", "rlmesh.v1.Rollout/GetInfo", common_pb2.Empty, {}),
-    (
-        "rollout",
-        "rlmesh.v1.Rollout/GetWeightsByName",
-        rollout_pb2.GetWeightsByNameRequest,
-        {"truncate_size": (-2, 16)},
-    ),
 ]
 
 

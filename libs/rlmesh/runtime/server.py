@@ -30,7 +30,7 @@ from rlmesh.runtime.metrics import MetricsHttpServer, MetricsInterceptor, RpcMet
 
 log = logging.getLogger("rlmesh.runtime")
 
-# A response may carry a whole tensor (Rollout.GetWeightsByName); requests are batches of token
+# A response may be large (log-probs of a whole batch); requests are batches of token
 # ids or texts, far smaller, and a server bounds them (``max_request_bytes``) so that one caller
 # cannot make it buffer a gigabyte.
 MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
@@ -136,6 +136,12 @@ class GrpcService:
 
     def request_stop(self) -> None:
         self._stop_requested.set()
+
+    async def end_with(self, exit_code: int) -> None:
+        """Stops serving at once and ends the process with ``exit_code`` (for its supervisor)."""
+        await self.set_serving(False)
+        self.exit_code = exit_code
+        self.request_stop()
 
     async def start(self) -> None:
         reflection.enable_server_reflection(

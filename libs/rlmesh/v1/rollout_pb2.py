@@ -23,42 +23,29 @@ _sym_db = _symbol_database.Default()
 
 
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
-from rlmesh.v1 import tensor_pb2 as rlmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\x1a\x16rlmesh/v1/tensor.proto\"0\n\rGenerateInput\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"\x87\x01\n\x0fGenerateRequest\x12(\n\x06inputs\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.GenerateInput\x12\x32\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x03 \x01(\x08\"\xb7\x01\n\x0eGenerateOutput\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_log_probs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12%\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\">\n\x10GenerateResponse\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.GenerateOutput\"\xc2\x01\n\x0bRolloutInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nengine_url\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\r\n\x05state\x18\x05 \x01(\t\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x12\n\ntasks_done\x18\t \x01(\x03\"\xad\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb6\x01\n#UpdateWeightsFromDistributedRequest\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.TensorMeta\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x13\n\x0b\x66lush_cache\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x13\n\x0bload_format\x18\x06 \x01(\t\"t\n\x1cUpdateWeightsFromDiskRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0bload_format\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0b\x66lush_cache\x18\x04 \x01(\x08\"6\n DestroyWeightsUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\">\n\x17GetWeightsByNameRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rtruncate_size\x18\x02 \x01(\x03\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"E\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x12\n\nunfinished\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t2\xc1\x05\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.rlmesh.v1.GenerateRequest\x1a\x1b.rlmesh.v1.GenerateResponse\x12\x33\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x16.rlmesh.v1.RolloutInfo\x12)\n\x05Pause\x12\x10.rlmesh.v1.Empty\x1a\x0e.rlmesh.v1.Ack\x12*\n\x06Resume\x12\x10.rlmesh.v1.Empty\x1a\x0e.rlmesh.v1.Ack\x12R\n\x16InitWeightsUpdateGroup\x12(.rlmesh.v1.InitWeightsUpdateGroupRequest\x1a\x0e.rlmesh.v1.Ack\x12^\n\x1cUpdateWeightsFromDistributed\x12..rlmesh.v1.UpdateWeightsFromDistributedRequest\x1a\x0e.rlmesh.v1.Ack\x12P\n\x15UpdateWeightsFromDisk\x12\'.rlmesh.v1.UpdateWeightsFromDiskRequest\x1a\x0e.rlmesh.v1.Ack\x12X\n\x19\x44\x65stroyWeightsUpdateGroup\x12+.rlmesh.v1.DestroyWeightsUpdateGroupRequest\x1a\x0e.rlmesh.v1.Ack\x12I\n\x10GetWeightsByName\x12\".rlmesh.v1.GetWeightsByNameRequest\x1a\x11.rlmesh.v1.Tensor\x12:\n\x05\x44rain\x12\x17.rlmesh.v1.DrainRequest\x1a\x18.rlmesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"0\n\rGenerateInput\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"\x87\x01\n\x0fGenerateRequest\x12(\n\x06inputs\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.GenerateInput\x12\x32\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x03 \x01(\x08\"\xb7\x01\n\x0eGenerateOutput\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_log_probs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12%\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\">\n\x10GenerateResponse\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.rlmesh.v1.GenerateOutput\"\xc2\x01\n\x0bRolloutInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nengine_url\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\r\n\x05state\x18\x05 \x01(\t\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x01\x12\x12\n\ntasks_done\x18\t \x01(\x03\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"E\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x12\n\nunfinished\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t2\x96\x02\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.rlmesh.v1.GenerateRequest\x1a\x1b.rlmesh.v1.GenerateResponse\x12\x33\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x16.rlmesh.v1.RolloutInfo\x12)\n\x05Pause\x12\x10.rlmesh.v1.Empty\x1a\x0e.rlmesh.v1.Ack\x12*\n\x06Resume\x12\x10.rlmesh.v1.Empty\x1a\x0e.rlmesh.v1.Ack\x12:\n\x05\x44rain\x12\x17.rlmesh.v1.DrainRequest\x1a\x18.rlmesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlmesh.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEINPUT']._serialized_start=86
-  _globals['_GENERATEINPUT']._serialized_end=134
-  _globals['_GENERATEREQUEST']._serialized_start=137
-  _globals['_GENERATEREQUEST']._serialized_end=272
-  _globals['_GENERATEOUTPUT']._serialized_start=275
-  _globals['_GENERATEOUTPUT']._serialized_end=458
-  _globals['_GENERATERESPONSE']._serialized_start=460
-  _globals['_GENERATERESPONSE']._serialized_end=522
-  _globals['_ROLLOUTINFO']._serialized_start=525
-  _globals['_ROLLOUTINFO']._serialized_end=719
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=722
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=895
-  _globals['_TENSORMETA']._serialized_start=897
-  _globals['_TENSORMETA']._serialized_end=953
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=956
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=1138
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_start=1140
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_end=1256
-  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_start=1258
-  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_end=1312
-  _globals['_GETWEIGHTSBYNAMEREQUEST']._serialized_start=1314
-  _globals['_GETWEIGHTSBYNAMEREQUEST']._serialized_end=1376
-  _globals['_DRAINREQUEST']._serialized_start=1378
-  _globals['_DRAINREQUEST']._serialized_end=1411
-  _globals['_DRAINRESPONSE']._serialized_start=1413
-  _globals['_DRAINRESPONSE']._serialized_end=1482
-  _globals['_ROLLOUT']._serialized_start=1485
-  _globals['_ROLLOUT']._serialized_end=2190
+  _globals['_GENERATEINPUT']._serialized_start=62
+  _globals['_GENERATEINPUT']._serialized_end=110
+  _globals['_GENERATEREQUEST']._serialized_start=113
+  _globals['_GENERATEREQUEST']._serialized_end=248
+  _globals['_GENERATEOUTPUT']._serialized_start=251
+  _globals['_GENERATEOUTPUT']._serialized_end=434
+  _globals['_GENERATERESPONSE']._serialized_start=436
+  _globals['_GENERATERESPONSE']._serialized_end=498
+  _globals['_ROLLOUTINFO']._serialized_start=501
+  _globals['_ROLLOUTINFO']._serialized_end=695
+  _globals['_DRAINREQUEST']._serialized_start=697
+  _globals['_DRAINREQUEST']._serialized_end=730
+  _globals['_DRAINRESPONSE']._serialized_start=732
+  _globals['_DRAINRESPONSE']._serialized_end=801
+  _globals['_ROLLOUT']._serialized_start=804
+  _globals['_ROLLOUT']._serialized_end=1082
 # @@protoc_insertion_point(module_scope)

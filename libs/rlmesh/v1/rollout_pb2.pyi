@@ -1,5 +1,4 @@
 from rlmesh.v1 import common_pb2 as _common_pb2
-from rlmesh.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -71,76 +70,6 @@ class RolloutInfo(_message.Message):
     tokens_per_s: float
     tasks_done: int
     def __init__(self, replica_id: _Optional[str] = ..., engine: _Optional[str] = ..., engine_url: _Optional[str] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., running_requests: _Optional[int] = ..., capacity: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., tasks_done: _Optional[int] = ...) -> None: ...
-
-class InitWeightsUpdateGroupRequest(_message.Message):
-    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")
-    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
-    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-    timeout_s: float
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
-
-class TensorMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    dtype: str
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class UpdateWeightsFromDistributedRequest(_message.Message):
-    __slots__ = ("tensors", "group_name", "flush_cache", "weight_version", "timeout_s", "load_format")
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
-    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
-    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
-    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    group_name: str
-    flush_cache: bool
-    weight_version: int
-    timeout_s: float
-    load_format: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., group_name: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., load_format: _Optional[str] = ...) -> None: ...
-
-class UpdateWeightsFromDiskRequest(_message.Message):
-    __slots__ = ("model_path", "load_format", "weight_version", "flush_cache")
-    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
-    model_path: str
-    load_format: str
-    weight_version: int
-    flush_cache: bool
-    def __init__(self, model_path: _Optional[str] = ..., load_format: _Optional[str] = ..., weight_version: _Optional[int] = ..., flush_cache: _Optional[bool] = ...) -> None: ...
-
-class DestroyWeightsUpdateGroupRequest(_message.Message):
-    __slots__ = ("group_name",)
-    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
-    group_name: str
-    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
-
-class GetWeightsByNameRequest(_message.Message):
-    __slots__ = ("name", "truncate_size")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    TRUNCATE_SIZE_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    truncate_size: int
-    def __init__(self, name: _Optional[str] = ..., truncate_size: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)

@@ -5,7 +5,6 @@ import warnings
 
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 from rlmesh.v1 import rollout_pb2 as rlmesh_dot_v1_dot_rollout__pb2
-from rlmesh.v1 import tensor_pb2 as rlmesh_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -30,6 +29,13 @@ if _version_not_supported:
 class RolloutStub:
     """A rollout replica: an inference engine behind SGLang's native HTTP API plus the sampler loop
     that turns prompt tasks from Redis into scored trajectories.
+
+    Weight sync is not in this service. The learner speaks SGLang's HTTP API to each engine
+    directly (/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk,
+    /destroy_weights_update_group, /get_weights_by_name, /pause_generation, /continue_generation),
+    at the engine_url and with the weight_sync_ranks a replica registers (ReplicaRegistration in
+    trajectory.proto), so an SGLang server and the embedded engine are pushed to the same way.
+    docs/sglang.md lists the calls and their fields.
     """
 
     def __init__(self, channel):
@@ -58,31 +64,6 @@ class RolloutStub:
                 request_serializer=rlmesh_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
-        self.InitWeightsUpdateGroup = channel.unary_unary(
-                '/rlmesh.v1.Rollout/InitWeightsUpdateGroup',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-                _registered_method=True)
-        self.UpdateWeightsFromDistributed = channel.unary_unary(
-                '/rlmesh.v1.Rollout/UpdateWeightsFromDistributed',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-                _registered_method=True)
-        self.UpdateWeightsFromDisk = channel.unary_unary(
-                '/rlmesh.v1.Rollout/UpdateWeightsFromDisk',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-                _registered_method=True)
-        self.DestroyWeightsUpdateGroup = channel.unary_unary(
-                '/rlmesh.v1.Rollout/DestroyWeightsUpdateGroup',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-                _registered_method=True)
-        self.GetWeightsByName = channel.unary_unary(
-                '/rlmesh.v1.Rollout/GetWeightsByName',
-                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.GetWeightsByNameRequest.SerializeToString,
-                response_deserializer=rlmesh_dot_v1_dot_tensor__pb2.Tensor.FromString,
-                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/rlmesh.v1.Rollout/Drain',
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.DrainRequest.SerializeToString,
@@ -93,6 +74,13 @@ class RolloutStub:
 class RolloutServicer:
     """A rollout replica: an inference engine behind SGLang's native HTTP API plus the sampler loop
     that turns prompt tasks from Redis into scored trajectories.
+
+    Weight sync is not in this service. The learner speaks SGLang's HTTP API to each engine
+    directly (/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk,
+    /destroy_weights_update_group, /get_weights_by_name, /pause_generation, /continue_generation),
+    at the engine_url and with the weight_sync_ranks a replica registers (ReplicaRegistration in
+    trajectory.proto), so an SGLang server and the embedded engine are pushed to the same way.
+    docs/sglang.md lists the calls and their fields.
     """
 
     def Generate(self, request, context):
@@ -119,38 +107,6 @@ class RolloutServicer:
 
     def Resume(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def InitWeightsUpdateGroup(self, request, context):
-        """Weight sync, forwarded to the engine (SGLang's protocol: the learner is rank 0 of the group).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UpdateWeightsFromDistributed(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UpdateWeightsFromDisk(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DestroyWeightsUpdateGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetWeightsByName(self, request, context):
-        """A tensor as the engine holds it, to verify a push landed.
-        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -185,31 +141,6 @@ def add_RolloutServicer_to_server(servicer, server):
                     request_deserializer=rlmesh_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=rlmesh_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
-            'InitWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.InitWeightsUpdateGroup,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.InitWeightsUpdateGroupRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_common__pb2.Ack.SerializeToString,
-            ),
-            'UpdateWeightsFromDistributed': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpdateWeightsFromDistributed,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_common__pb2.Ack.SerializeToString,
-            ),
-            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
-                    servicer.UpdateWeightsFromDisk,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_common__pb2.Ack.SerializeToString,
-            ),
-            'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.DestroyWeightsUpdateGroup,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.DestroyWeightsUpdateGroupRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_common__pb2.Ack.SerializeToString,
-            ),
-            'GetWeightsByName': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetWeightsByName,
-                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.GetWeightsByNameRequest.FromString,
-                    response_serializer=rlmesh_dot_v1_dot_tensor__pb2.Tensor.SerializeToString,
-            ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.DrainRequest.FromString,
@@ -226,6 +157,13 @@ def add_RolloutServicer_to_server(servicer, server):
 class Rollout:
     """A rollout replica: an inference engine behind SGLang's native HTTP API plus the sampler loop
     that turns prompt tasks from Redis into scored trajectories.
+
+    Weight sync is not in this service. The learner speaks SGLang's HTTP API to each engine
+    directly (/init_weights_update_group, /update_weights_from_distributed, /update_weights_from_disk,
+    /destroy_weights_update_group, /get_weights_by_name, /pause_generation, /continue_generation),
+    at the engine_url and with the weight_sync_ranks a replica registers (ReplicaRegistration in
+    trajectory.proto), so an SGLang server and the embedded engine are pushed to the same way.
+    docs/sglang.md lists the calls and their fields.
     """
 
     @staticmethod
@@ -326,141 +264,6 @@ class Rollout:
             '/rlmesh.v1.Rollout/Resume',
             rlmesh_dot_v1_dot_common__pb2.Empty.SerializeToString,
             rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def InitWeightsUpdateGroup(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.Rollout/InitWeightsUpdateGroup',
-            rlmesh_dot_v1_dot_rollout__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
-            rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateWeightsFromDistributed(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.Rollout/UpdateWeightsFromDistributed',
-            rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
-            rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateWeightsFromDisk(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.Rollout/UpdateWeightsFromDisk',
-            rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
-            rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DestroyWeightsUpdateGroup(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.Rollout/DestroyWeightsUpdateGroup',
-            rlmesh_dot_v1_dot_rollout__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
-            rlmesh_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetWeightsByName(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rlmesh.v1.Rollout/GetWeightsByName',
-            rlmesh_dot_v1_dot_rollout__pb2.GetWeightsByNameRequest.SerializeToString,
-            rlmesh_dot_v1_dot_tensor__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,19 +9,12 @@ import uuid
 
 import grpc
 import pytest
-import torch
-import torch.distributed as dist
-from transformers import AutoModelForCausalLM
 
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.queue.policy import publish_policy
 from rlmesh.runtime.launcher import ProcessLauncher
-from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trajectory_pb2
-from rlmesh.weights.bucket import flatten_tensors
-from rlmesh.weights.group import destroy_process_group, init_custom_process_group
-from rlmesh.wire import proto_to_torch
 from tests.helpers import blocked_reads, eventually, pid_alive, wait_until
 
 RUN = f"rollout-{uuid.uuid4().hex[:6]}"
@@ -193,81 +186,6 @@ async def test_pause_and_drain_answer_only_once_nothing_more_can_be_claimed(stac
         await cleanup.ack([d.entry_id for d in got])
     finally:
         await redis.aclose()
-
-
-def update_request(named, version, load_format, group_name):
-    return rollout_pb2.UpdateWeightsFromDistributedRequest(
-        tensors=[
-            rollout_pb2.TensorMeta(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
-            for n, t in named
-        ],
-        group_name=group_name,
-        weight_version=version,
-        load_format=load_format,
-    )
-
-
-async def test_weights_pushed_through_the_service_as_one_flattened_bucket_land_in_the_engine(stack, models):
-    launcher, _, overrides = stack
-    _, newer = models
-    target = AutoModelForCausalLM.from_pretrained(newer, dtype=torch.float32)
-    named = [(n, t.detach()) for n, t in target.named_parameters()]
-    replica = start_replica(launcher, overrides, "pushee")
-    group = "grpc-push"
-    async with grpc.aio.insecure_channel(replica.grpc_address) as ch:
-        stub = rollout_pb2_grpc.RolloutStub(ch)
-        before = proto_to_torch(
-            await stub.GetWeightsByName(rollout_pb2.GetWeightsByNameRequest(name=named[0][0]))
-        )
-        assert not torch.equal(before, named[0][1]), "the two test models must differ"
-
-        # The learner's side of SGLang's protocol, through the service: this process is rank 0.
-        port = free_port()
-        joined = asyncio.ensure_future(
-            stub.InitWeightsUpdateGroup(
-                rollout_pb2.InitWeightsUpdateGroupRequest(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank_offset=1,
-                    world_size=2,
-                    group_name=group,
-                    backend="gloo",
-                )
-            )
-        )
-        pg = await asyncio.to_thread(
-            init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}", 2, 0, group, 60
-        )
-        try:
-            assert (await joined).success
-
-            # An unknown format is refused before the engine hears of it, naming what is known;
-            # the service, and the group, stay usable.
-            with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await stub.UpdateWeightsFromDistributed(update_request(named, 7, "direct", group))
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "'direct'" in bad.value.details() and "'flattened_bucket'" in bad.value.details()
-            assert (await stub.GetInfo(common_pb2.Empty())).replica_id == "pushee"
-
-            # One broadcast of every tensor's bytes: it lands only if the engine was told so.
-            update = asyncio.ensure_future(
-                stub.UpdateWeightsFromDistributed(update_request(named, 7, "flattened_bucket", group))
-            )
-            flat = flatten_tensors([t for _, t in named])
-            await asyncio.to_thread(dist.broadcast, flat, 0, pg)
-            ack = await update
-            assert ack.success, ack.message
-        finally:
-            await stub.DestroyWeightsUpdateGroup(
-                rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group)
-            )
-            destroy_process_group(pg)
-
-        for name, expected in named:
-            got = await stub.GetWeightsByName(rollout_pb2.GetWeightsByNameRequest(name=name))
-            assert torch.equal(proto_to_torch(got), expected), name
-        assert (await stub.GetInfo(common_pb2.Empty())).policy_version == 7
-    assert launcher.stop(replica.process) == 0
 
 
 async def test_a_replica_killed_mid_task_leaves_it_to_another(stack):

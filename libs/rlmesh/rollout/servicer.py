@@ -1,5 +1,5 @@
-"""gRPC ``rlmesh.v1.Rollout`` for one replica: direct generation, info, pause/resume, drain, and
-the weight-sync calls forwarded to its engine."""
+"""gRPC ``rlmesh.v1.Rollout`` for one replica: direct generation, info, pause/resume and drain.
+Weight sync goes to the engine's own HTTP API (see protos/rlmesh/v1/rollout.proto)."""
 
 from __future__ import annotations
 
@@ -9,31 +9,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-import torch
 
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.rollout.sampler import SamplerLoop, parse_version, sampling_dict
-from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, tensor_pb2
-from rlmesh.weights.bucket import LOAD_FORMATS
-from rlmesh.wire import torch_to_proto
+from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("rlmesh.rollout")
-
-# The request's spellings of one broadcast per tensor, which the engine gets as no load_format at
-# all (SGLang's default): unset, or the name rlmesh.weight_sync.load_format gives it.
-PER_TENSOR = ("", "per_tensor")
-
-
-def engine_load_format(value: str) -> str | None:
-    """The engine's ``load_format`` for an ``UpdateWeightsFromDistributedRequest.load_format``;
-    ValueError, naming the value and the known ones, for any other."""
-    if value in PER_TENSOR:
-        return None
-    if value in LOAD_FORMATS:
-        return value
-    known = [*PER_TENSOR, *(f for f in LOAD_FORMATS if f is not None)]
-    raise ValueError(f"unknown load_format {value!r}; known: {', '.join(map(repr, known))}")
-
 
 _ENGINE_PROMPT = re.compile(r"input_ids\[(\d+)\](?:\[(\d+)\])?")
 
@@ -143,84 +124,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return common_pb2.Ack(success=False, message="replica is draining")
         self.sampler.resume()
         return common_pb2.Ack(success=True, message="claiming tasks")
-
-    async def _forward(self, call: Awaitable[str], version: int | None = None) -> common_pb2.Ack:
-        try:
-            message = await call
-        except EngineError as e:
-            return common_pb2.Ack(success=False, message=str(e))
-        if version is not None:
-            self.sampler.policy_version = version
-        return common_pb2.Ack(success=True, message=message)
-
-    async def InitWeightsUpdateGroup(
-        self, request: rollout_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.Ack:
-        return await self._forward(
-            self.engine.init_weights_update_group(
-                request.master_address,
-                request.master_port,
-                request.rank_offset,
-                request.world_size,
-                request.group_name or "weight_update_group",
-                request.backend or "gloo",
-            )
-        )
-
-    async def UpdateWeightsFromDistributed(
-        self, request: rollout_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.Ack:
-        try:
-            load_format = engine_load_format(request.load_format)
-        except ValueError as e:
-            # Refused before the engine hears of it: the sender then learns why at once, instead of
-            # after its broadcast waited for a receiver that is not there.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return await self._forward(
-            self.engine.update_weights_from_distributed(
-                [t.name for t in request.tensors],
-                [t.dtype for t in request.tensors],
-                [list(t.shape) for t in request.tensors],
-                request.group_name or "weight_update_group",
-                str(request.weight_version),
-                request.flush_cache,
-                load_format=load_format,
-            ),
-            request.weight_version,
-        )
-
-    async def UpdateWeightsFromDisk(
-        self, request: rollout_pb2.UpdateWeightsFromDiskRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.Ack:
-        return await self._forward(
-            self.engine.update_weights_from_disk(request.model_path, str(request.weight_version)),
-            request.weight_version,
-        )
-
-    async def DestroyWeightsUpdateGroup(
-        self, request: rollout_pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.Ack:
-        return await self._forward(
-            self.engine.destroy_weights_update_group(request.group_name or "weight_update_group")
-        )
-
-    async def GetWeightsByName(
-        self, request: rollout_pb2.GetWeightsByNameRequest, context: grpc.aio.ServicerContext
-    ) -> tensor_pb2.Tensor:
-        if request.truncate_size < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"GetWeightsByNameRequest.truncate_size={request.truncate_size}: must be >= 0 (0 = all)",
-            )
-        try:
-            values = await self.engine.get_weights_by_name(request.name, request.truncate_size)
-        except EngineError as e:
-            if e.rejected:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"GetWeightsByNameRequest.name={request.name!r}: {e}"
-                )
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return torch_to_proto(torch.tensor(values, dtype=torch.float32))
 
     async def Drain(
         self, request: rollout_pb2.DrainRequest, context: grpc.aio.ServicerContext
