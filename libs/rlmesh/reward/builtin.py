@@ -1,11 +1,5 @@
-"""The built-in rule rewards and verl's choice among them by ``data_source``.
-
-Built-ins by name (what a forced function names): ``gsm8k`` (verl's gsm8k, strict), ``math``
-(verl's math_reward: Hendrycks MATH boxed answers), ``math_dapo`` (verl's math_dapo: ``Answer:`` lines,
-score ±1) and ``arithmetic`` (rlmesh's synthetic task). Data sources map to them as in verl's
-``default_compute_score`` (note that there the data source ``math`` picks ``math_dapo``), plus
-``gsm8k`` and ``arithmetic`` for themselves.
-"""
+"""The built-in rule rewards by name (gsm8k, math, math_dapo, arithmetic) and verl's choice among them
+by ``data_source``, as in verl's ``default_compute_score`` (where ``math`` picks ``math_dapo``)."""
 
 from __future__ import annotations
 
@@ -52,13 +46,22 @@ DATA_SOURCES: dict[str, str] = {
     "arithmetic": "arithmetic",
 }
 
+# data_source prefix -> built-in name, for sources DATA_SOURCES does not name (verl: aime2024, ...)
+DATA_SOURCE_PREFIXES: dict[str, str] = {"aime": "math_dapo"}
+
 
 def builtin_for(data_source: str) -> str | None:
     """The built-in verl would pick for ``data_source``, or None."""
     name = DATA_SOURCES.get(data_source)
-    if name is None and data_source.startswith("aime"):
-        name = "math_dapo"
+    if name is None:
+        name = next((n for prefix, n in DATA_SOURCE_PREFIXES.items() if data_source.startswith(prefix)), None)
     return name
+
+
+def data_source_rules() -> list[str]:
+    """``data_source=built-in`` for each rule; a prefix rule reads ``aime*=math_dapo``."""
+    exact = [f"{source}={name}" for source, name in DATA_SOURCES.items()]
+    return exact + [f"{prefix}*={name}" for prefix, name in DATA_SOURCE_PREFIXES.items()]
 
 
 def default_compute_score(
@@ -68,6 +71,7 @@ def default_compute_score(
     name = builtin_for(data_source)
     if name is None:
         raise NotImplementedError(
-            f"no built-in reward for data_source={data_source!r}; known: {', '.join(sorted(DATA_SOURCES))}, aime*"
+            f"no built-in reward for data_source={data_source!r}; known: "
+            + ", ".join([*sorted(DATA_SOURCES), *(f"{prefix}*" for prefix in DATA_SOURCE_PREFIXES)])
         )
     return BUILTIN_FUNCTIONS[name](data_source, solution_str, ground_truth, extra_info)
