@@ -1,11 +1,15 @@
-"""Rewards: the rule scorers (gsm8k, math, math_dapo, arithmetic), user functions by path, a reward
-model, the batch scoring core ``RewardScorer`` (no gRPC needed) and ``RewardClient`` for callers.
-
-``rlmesh.reward.model`` (the reward model, imports torch) is imported only when a model is used.
-"""
+"""Rewards: rule scorers, user functions by path, a reward model (``rlmesh.reward.model`` imports torch
+and is imported only when a model is used), the scoring core ``RewardScorer`` and ``RewardClient``."""
 
 from rlmesh.reward.addresses import get_reward_addresses, reward_addresses_key, set_reward_addresses
-from rlmesh.reward.builtin import BUILTIN_FUNCTIONS, DATA_SOURCES, builtin_for, default_compute_score
+from rlmesh.reward.builtin import (
+    BUILTIN_FUNCTIONS,
+    DATA_SOURCE_PREFIXES,
+    DATA_SOURCES,
+    builtin_for,
+    data_source_rules,
+    default_compute_score,
+)
 from rlmesh.reward.client import RewardClient
 from rlmesh.reward.loader import (
     RewardFunction,
@@ -13,13 +17,16 @@ from rlmesh.reward.loader import (
     builtin_function,
     load_reward_function,
 )
-from rlmesh.reward.scorer import InvalidRequestError, RewardMetrics, RewardScorer
+from rlmesh.reward.metrics import RewardMetrics
+from rlmesh.reward.samples import InvalidRequestError
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.runtime.addresses import AddressSource, RedisAddresses, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller, ServiceCallError
 
 __all__ = [
     "BUILTIN_FUNCTIONS",
     "DATA_SOURCES",
+    "DATA_SOURCE_PREFIXES",
     "AddressSource",
     "BalancedCaller",
     "InvalidRequestError",
@@ -33,6 +40,7 @@ __all__ = [
     "StaticAddresses",
     "builtin_for",
     "builtin_function",
+    "data_source_rules",
     "default_compute_score",
     "get_reward_addresses",
     "load_reward_function",

@@ -1,13 +1,5 @@
-"""Loading a user reward function, checked once at start-up.
-
-``custom_reward_function.path`` may be, as in verl, a Python file (``custom_reward_function.name``
-names the function in it), or a dotted path: ``package.module:function``, ``package.module`` (then
-``name`` names the function) or verl's ``pkg://package.module``. The function gets verl's arguments
-by keyword — ``compute_score(data_source, solution_str, ground_truth, extra_info=None,
-**reward_kwargs)`` — may be sync or async, and returns a number or a dict with a ``score`` key plus
-named extras. Anything that does not resolve, is not callable, or cannot take those arguments raises
-``RewardFunctionLoadError`` saying which.
-"""
+"""Loading the configured reward function, checked once at start-up: a built-in, or the user's
+``custom_reward_function.path`` (a file, ``pkg.module:fn``, ``pkg.module``, ``pkg://pkg.module``)."""
 
 from __future__ import annotations
 
@@ -20,9 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlmesh.reward.builtin import BUILTIN_FUNCTIONS
+
+if TYPE_CHECKING:
+    from rlmesh.config import CustomRewardFunctionConfig
 
 # Keyword arguments every reward function is called with (verl's naive reward manager does the same).
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -160,3 +155,18 @@ def load_reward_function(
         raise RewardFunctionLoadError(f"{what}: {attr!r} is a {type(fn).__name__}, not a function")
     check_signature(fn, kwargs, what)
     return RewardFunction(name=f"{module_label}:{attr}", fn=fn, is_async=_is_async(fn), kwargs=kwargs)
+
+
+def configured_function(custom: CustomRewardFunctionConfig, forced: str | None) -> RewardFunction | None:
+    """The function for every sample: the ``forced`` built-in or ``custom_reward_function``; None when
+    neither is set (then each sample's ``data_source`` picks a built-in)."""
+    if forced:
+        if custom.path:
+            raise RewardFunctionLoadError(
+                f"a forced built-in ({forced!r}) and custom_reward_function.path={custom.path!r} are "
+                "both set; choose one"
+            )
+        return builtin_function(forced)
+    if custom.path:
+        return load_reward_function(custom.path, custom.name, custom.reward_kwargs)
+    return None

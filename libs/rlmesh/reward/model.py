@@ -1,23 +1,21 @@
-"""Model-based reward: an HF ``AutoModelForSequenceClassification`` from a local path, batched.
-
-Each sample becomes one text — the reward model's chat template over ``[user: prompt, assistant:
-response]`` when its tokenizer has one, else prompt + response — tokenized with the reward model's
-own tokenizer, cut from the left to ``max_length`` tokens (the end of the response is what a reward
-model judges), right-padded, and scored in micro-batches; the score is logit 0 of the sequence head.
-fp32 on CPU, bf16 on GPU, under ``torch.no_grad``. Importing this module imports torch.
-"""
+"""Model-based reward: an HF ``AutoModelForSequenceClassification`` scores (prompt, response) texts in
+micro-batches, each cut from the left to ``max_length``; the score is logit 0. Imports torch."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlmesh.models.tokenizer import load_tokenizer
+from rlmesh.reward.loader import RewardFunctionLoadError
+
+if TYPE_CHECKING:
+    from rlmesh.config import RewardModelConfig
 
 
 def default_device() -> torch.device:
@@ -87,3 +85,23 @@ class RewardModelScorer:
                 logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
                 scores.extend(logits[:, 0].float().cpu().tolist())
         return scores
+
+
+def load_reward_model(rm: RewardModelConfig) -> RewardModelScorer:
+    """The reward model of the ``reward_model`` section; raises ``RewardFunctionLoadError`` saying why not."""
+    path = Path(rm.model.path).expanduser()
+    if not path.exists():
+        raise RewardFunctionLoadError(f"reward_model.model.path={rm.model.path!r}: no such directory")
+    try:
+        return RewardModelScorer(
+            str(path),
+            max_length=rm.max_length,
+            micro_batch_size=rm.micro_batch_size_per_gpu,
+            trust_remote_code=rm.model.trust_remote_code,
+            override_config=rm.model.override_config or None,
+        )
+    except Exception as e:
+        raise RewardFunctionLoadError(
+            f"reward_model.model.path={rm.model.path!r}: cannot load a sequence-classification "
+            f"model: {type(e).__name__}: {e}"
+        ) from e

@@ -188,7 +188,7 @@ async def test_builtins_by_data_source_and_unknown_sources():
     assert gsm.score == 1.0 and arith.score == 1.0 and dict(arith.extra) == {"acc": 1.0, "format": 1.0}
     assert unknown.error.code == Code.ERROR_CODE_INVALID_INPUT
     assert "no reward function" in unknown.error.message and "openai/gsm8k=gsm8k" in unknown.error.message
-    assert "openai/gsm8k=gsm8k" in scorer.info().functions
+    assert "openai/gsm8k=gsm8k" in scorer.info().functions and "aime*=math_dapo" in scorer.info().functions
     forced = RewardScorer(builtin_function("gsm8k"))
     assert (await forced.score([sample("f", "#### 5", "5", "anything")]))[0].score == 1.0
     assert list(forced.info().functions) == ["*=gsm8k"]
@@ -308,3 +308,16 @@ def test_from_config_picks_the_function(tmp_path, monkeypatch):
         RewardScorer.from_config(cfg, forced="gsm8k", load_tokenizer=False)
     assert RewardScorer.from_config(load_config(None, []), load_tokenizer=False).function is None
     sys.modules.pop("cfg_reward_mod", None)
+
+
+def test_from_config_reads_the_rlmesh_reward_keys():
+    from rlmesh.config import load_config
+
+    keys = ["function=arithmetic", "function_timeout_s=2.5", "max_batch_size=8", "workers=3", "timeout_s=9"]
+    scorer = RewardScorer.from_config(
+        load_config(None, [f"rlmesh.reward.{k}" for k in keys]), load_tokenizer=False
+    )
+    assert scorer.function.name == "arithmetic" and scorer.timeout_s == 2.5 and scorer.max_batch_size == 8
+    assert scorer._pool.workers == 3
+    plain = RewardScorer.from_config(load_config(None, ["rlmesh.reward.timeout_s=9"]), load_tokenizer=False)
+    assert plain.timeout_s == 9 and plain.max_batch_size == 1024 and plain._pool.workers == 32
