@@ -74,10 +74,8 @@ def custom(launcher, user_env, tmp_path_factory):
             f"custom_reward_function.path={FUNCTION}",
             f"actor_rollout_ref.model.path={tokenizer_dir}",  # the policy tokenizer: decodes ids, checks them
             f"rlmesh.auth_token={TOKEN}",
-            "--function-timeout-s",
-            "1",
-            "--max-batch-size",
-            "8",
+            "rlmesh.reward.function_timeout_s=1",
+            "rlmesh.reward.max_batch_size=8",
         ],
         env=user_env,
     )
@@ -196,7 +194,7 @@ async def test_replicas_round_robin_and_swap_through_redis_without_restart(launc
         "reward", name="reward-a", overrides=[*port_overrides(), "rlmesh.reward.function=gsm8k"]
     )
     b = launcher.start_service(
-        "reward", name="reward-b", overrides=[*port_overrides()], env={"RLMESH_REWARD_FUNCTION": "arithmetic"}
+        "reward", name="reward-b", overrides=[*port_overrides(), "rlmesh.reward.function=arithmetic"]
     )
     cfg = load_config(
         None,
