@@ -155,8 +155,7 @@ def main() -> int:
                 "rlmesh.reference.port=0",
                 "rlmesh.reference.metrics_port=0",
                 f"actor_rollout_ref.model.path={model_dir}",
-                "--max-tokens",
-                str(args.max_tokens),
+                f"rlmesh.reference.max_tokens={args.max_tokens}",
             ],
         )
         print(f"reward at {reward.grpc_address}, reference at {reference.grpc_address}", flush=True)

@@ -1,8 +1,5 @@
-"""The frozen reference policy: per-token log-probs of responses under token-budgeted dynamic
-micro-batching (``compute_ref_log_probs``, ``ReferenceModel``), and ``ReferenceClient`` for callers.
-
-``ReferenceClient`` imports no torch; the compute side does (imported on first use).
-"""
+"""The frozen reference policy: per-token log-probs in token-budgeted micro-batches (``compute``,
+which imports torch, loaded on first use), the service's servicer, and ``ReferenceClient`` for callers."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def reference(launcher, tiny_model_dir):
         overrides=[
             *PORTS,
             f"actor_rollout_ref.model.path={tiny_model_dir}",
-            "rlmesh.reference.max_tokens=128",  # config keys here; the reward service's test uses flags
+            "rlmesh.reference.max_tokens=128",
             "rlmesh.reference.max_batch_size=16",
         ],
     )
