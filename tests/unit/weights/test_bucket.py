@@ -13,6 +13,7 @@ from torch import nn
 from rlmesh.engine.weight_updates import EngineWeights, WeightUpdateError
 from rlmesh.runtime.net import free_port
 from rlmesh.weights.bucket import flatten_tensors, layout, packed_bytes, tensor_views, unflatten_tensors
+from tests.unit.weights.bucket_peer import ROUNDS, payload
 
 
 def mixed_tensors() -> list[torch.Tensor]:
@@ -107,40 +108,6 @@ class Tiny(nn.Module):
         self.d = nn.Parameter(torch.zeros(2, 2, dtype=torch.float16))
 
 
-# Rank 0 in its own process (a process registers each group name once): broadcasts
-# ``payloads(round)`` for two rounds, as the pusher does.
-SENDER = """
-import sys
-import torch
-import torch.distributed as dist
-from rlmesh.weights.bucket import flatten_tensors
-from rlmesh.weights.group import destroy_process_group, init_custom_process_group
-from tests.unit.weights.test_bucket import payload
-
-port, group, load_format = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, group, 60.0)
-for round_ in range(2):
-    tensors = list(payload(round_).values())
-    if load_format == "flattened_bucket":
-        dist.broadcast(flatten_tensors(tensors), src=0, group=pg)
-    else:
-        for t in tensors:
-            dist.broadcast(t.contiguous(), src=0, group=pg)
-dist.barrier(group=pg)  # the receiver is done: leave together
-destroy_process_group(pg)
-"""
-
-
-def payload(round_: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(round_)
-    return {
-        "a": torch.randn(3, 5, generator=g),
-        "b": torch.randn(7, generator=g).to(torch.bfloat16),  # 14 bytes: "c" lands misaligned
-        "c": torch.randint(0, 2**40, (2, 3), generator=g),
-        "d": torch.randn(2, 2, generator=g).to(torch.float16),
-    }
-
-
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_the_engine_receives_a_mixed_dtype_bucket_over_gloo(load_format):
     weights = EngineWeights(Tiny())
@@ -148,7 +115,7 @@ def test_the_engine_receives_a_mixed_dtype_bucket_over_gloo(load_format):
     group = f"bucket_test_{load_format}"
     root = Path(__file__).resolve().parents[3]
     sender = subprocess.Popen(
-        [sys.executable, "-c", SENDER, str(port), group, str(load_format)],
+        [sys.executable, "-m", "tests.unit.weights.bucket_peer", str(port), group, str(load_format)],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
@@ -159,7 +126,7 @@ def test_the_engine_receives_a_mixed_dtype_bucket_over_gloo(load_format):
         dtypes = [str(t.dtype).removeprefix("torch.") for t in first.values()]
         shapes = [list(t.shape) for t in first.values()]
         buffers = []
-        for round_ in range(2):  # the second update reuses the first one's buffer
+        for round_ in range(ROUNDS):  # the second update reuses the first one's buffer
             with weights.receiving(names, dtypes, shapes, group, load_format) as got:
                 buffers.append(got["a"].untyped_storage().data_ptr())
                 weights.load(got, strict=True)
