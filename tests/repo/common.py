@@ -1,0 +1,78 @@
+"""What the repository tests read: the tree as a fresh clone has it, and the Markdown it documents
+itself with."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARY = REPO / "libs" / "rlmesh"
+SKIPPED_DIRS = {"__pycache__"}
+
+
+def ignored_patterns() -> list[str]:
+    lines = (REPO / ".gitignore").read_text().splitlines()
+    return [line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#")]
+
+
+def is_ignored(name: str) -> bool:
+    """A name .gitignore covers (build outputs, venvs, runs): not part of the tree."""
+    return name in SKIPPED_DIRS or any(fnmatch.fnmatch(name, p) for p in ignored_patterns())
+
+
+def subdirs(folder: Path) -> list[Path]:
+    """The folders directly under ``folder`` that a clone has: not hidden, not ignored."""
+    return sorted(
+        p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and not is_ignored(p.name)
+    )
+
+
+def top_level_dirs() -> list[Path]:
+    return subdirs(REPO)
+
+
+def library_packages() -> list[Path]:
+    """``libs/rlmesh`` and every folder of Python code under it, at any depth."""
+    found = [LIBRARY]
+    for path in sorted(LIBRARY.rglob("*")):
+        hidden = any(part in SKIPPED_DIRS or part.startswith(".") for part in path.relative_to(LIBRARY).parts)
+        if path.is_dir() and not hidden and any(path.glob("*.py")):
+            found.append(path)
+    return found
+
+
+def markdown_files() -> list[Path]:
+    """README.md and docs/*.md: the documentation the repository ships."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def rel(path: Path) -> str:
+    """The repository-relative form the README uses: folders end with '/'."""
+    text = path.relative_to(REPO).as_posix()
+    return text + "/" if path.is_dir() else text
+
+
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def split_fenced(text: str) -> tuple[list[tuple[int, str]], list[tuple[str, int, str]]]:
+    """Lines outside fenced code blocks (line number, text), and each fenced block as (its info
+    string, first line number, its text)."""
+    prose: list[tuple[int, str]] = []
+    blocks: list[tuple[str, int, str]] = []
+    info, start, body = None, 0, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line.strip()):
+            if info is None:
+                info, start, body = line.strip()[3:].strip(), number + 1, []
+            else:
+                blocks.append((info, start, "\n".join(body)))
+                info = None
+            continue
+        if info is None:
+            prose.append((number, line))
+        else:
+            body.append(line)
+    return prose, blocks
