@@ -18,26 +18,25 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import shutil
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import torch
-import torch.distributed as dist
 
 from rlmesh.algo import get_kl_controller
 from rlmesh.config import RLMeshConfig
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.batch import validate_trajectory
+from rlmesh.learner.checkpoint import latest_checkpoint
 from rlmesh.learner.collect import BatchCollector, StepBatch
+from rlmesh.learner.commands import Followers, RankCommand, run_collective
 from rlmesh.learner.feeder import PromptFeeder, index_of
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import MetricsSinks
@@ -58,6 +57,11 @@ from rlmesh.queue.lease import RunLease
 from rlmesh.queue.policy import publish_policy
 from rlmesh.reward.client import RewardClient
 from rlmesh.v1 import common_pb2, trajectory_pb2
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from rlmesh.learner.trainer import PPOTrainer
 
 log = logging.getLogger("rlmesh.learner")
 # How long the learner waits for an unreachable Redis before the run fails.
@@ -101,127 +105,6 @@ def total_training_steps(cfg: RLMeshConfig, dataset_len: int) -> int:
     return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
 
 
-# A follower waits for rank 0's next command while rank 0 waits for replicas or batches or holds
-# a pause, which can be hours. So that the wait can still be bounded tightly, rank 0 sends a no-op
-# every KEEPALIVE_S while it runs no collective; a follower that hears nothing for COMMAND_TIMEOUT
-# takes rank 0 for gone. (A dead rank 0 is seen at once, its sockets close; the bound is for a
-# rank 0 that hangs or whose host vanished silently.)
-KEEPALIVE_S = 30.0
-COMMAND_TIMEOUT = timedelta(seconds=10 * KEEPALIVE_S)
-
-
-class RankZeroLost(RuntimeError):
-    """A follower's wait for rank 0's next command failed: rank 0 is gone."""
-
-
-class Followers:
-    """Rank 0 tells the other ranks which collective to run next, then runs its own part.
-
-    Commands go over a gloo group of their own, so that waiting for one is bounded by
-    ``COMMAND_TIMEOUT`` (with rank 0's keep-alives), not by the training group's timeout, and
-    pickles never touch a GPU. Constructing it is collective: every rank builds one, at the same
-    point.
-
-    Rank 0 ends the run with :meth:`finish`, which sends ``("stop", failure)``, but only while the
-    followers are known to be waiting for a command: after rank 0's part of a collective failed,
-    a follower may still be inside it, and a broadcast it does not expect would hang both. Such a
-    follower instead sees rank 0's process exit (its sockets close) and exits too.
-    """
-
-    def __init__(self, timeout: timedelta = COMMAND_TIMEOUT, keepalive_s: float = KEEPALIVE_S) -> None:
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.world > 1 else None
-        # Rank 0: a command was announced and rank 0's own part of it has not completed.
-        self.in_collective = False
-        self.finished = False
-        self._sending = threading.Lock()  # one broadcast at a time: a command or a keep-alive
-        self._stop_keepalive = threading.Event()
-        if self.world > 1 and dist.get_rank() == 0:
-            threading.Thread(
-                target=self._keep_alive, args=(keepalive_s,), name="followers-keepalive", daemon=True
-            ).start()
-
-    def _keep_alive(self, every_s: float) -> None:
-        while not self._stop_keepalive.wait(every_s):
-            with self._sending:
-                if self.in_collective or self.finished:
-                    continue  # the followers are inside a collective, not waiting for a command
-                try:
-                    dist.broadcast_object_list([("noop",)], src=0, group=self.group)
-                except RuntimeError as e:
-                    log.error("keep-alive to the other ranks failed: %s", e)
-                    return
-
-    def announce(self, command: tuple[Any, ...]) -> None:
-        """Rank 0: send ``command``; call :meth:`done` once rank 0's own part of it completed."""
-        if self.world > 1:
-            with self._sending:
-                self.in_collective = True
-                dist.broadcast_object_list([command], src=0, group=self.group)
-
-    def done(self) -> None:
-        with self._sending:
-            self.in_collective = False
-
-    def finish(self, failure: str = "") -> None:
-        """Rank 0: tell the followers the run is over (``failure``: why it failed, if it did).
-        Idempotent; never raises (a follower that already died cannot be told)."""
-        self._stop_keepalive.set()
-        with self._sending:
-            if self.world == 1 or self.finished:
-                return
-            self.finished = True
-            if self.in_collective:
-                log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
-                return
-            try:
-                dist.broadcast_object_list([("stop", failure)], src=0, group=self.group)
-            except RuntimeError as e:
-                log.error("could not tell the other ranks to stop: %s", e)
-
-    def receive(self) -> tuple[Any, ...]:
-        """Ranks > 0: the next command; raises ``RankZeroLost`` when rank 0 is gone."""
-        box: list[Any] = [None]
-        try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
-        except RuntimeError as e:
-            raise RankZeroLost(f"waiting for rank 0's next command failed: {e}") from e
-        return box[0]
-
-
-def follow(trainer: Any, followers: Followers) -> str:
-    """Ranks > 0: run the collectives rank 0 announces, until it says stop.
-
-    Returns:
-        rank 0's failure, or "" when its run ended normally.
-
-    Raises:
-        RankZeroLost: rank 0 died (or its host vanished) without saying stop.
-    """
-    while True:
-        command = followers.receive()
-        kind = command[0]
-        if kind == "stop":
-            return str(command[1]) if len(command) > 1 else ""
-        if kind == "noop":
-            continue
-        if kind == "train":
-            if command[3]:
-                trainer.update_hyperparams(**command[3])
-            trainer.train_step(command[1], command[2])
-        elif kind == "push":
-            for _ in trainer.named_weights_for_push(command[1]):
-                pass
-        elif kind == "save":
-            trainer.save_checkpoint(command[1], command[2])
-        elif kind == "load":
-            trainer.load_checkpoint(command[1])
-        elif kind == "export":
-            trainer.export_hf(command[1], None)
-        else:
-            raise ValueError(f"unknown command from rank 0: {kind!r}")
-
-
 class _StoppedWhileWaiting(Exception):
     """A stop was requested while the loop waited for a batch that did not come: a clean stop."""
 
@@ -230,9 +113,9 @@ class TrainingLoop:
     def __init__(
         self,
         cfg: RLMeshConfig,
-        make_trainer: Callable[[RLMeshConfig, int], Any],
+        make_trainer: Callable[[RLMeshConfig, int], PPOTrainer],
         *,
-        registry: Any = None,
+        registry: CollectorRegistry | None = None,
         progress: Callable[[str], None] | None = None,
         follower: bool = False,
     ) -> None:
@@ -268,6 +151,12 @@ class TrainingLoop:
         # it redoes again: the last line of a step counts). The chaos tests audit runs with it.
         self.groups_path = None if follower else out_dir / "trained_groups.jsonl"
         self._redis: aioredis.Redis | None = None
+        # Made by _connect (rank 0 only).
+        self.lease: RunLease | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        self.feeder: PromptFeeder | None = None
+        self.pusher: WeightPusher | None = None
+        self.reward: RewardClient | None = None
 
     # ----- setup -----
     async def _connect(self) -> None:
@@ -318,8 +207,6 @@ class TrainingLoop:
             incarnation=self.incarnation,
             sampling=sampling,
         )
-        from rlmesh.learner import validate_trajectory
-
         self.collector = BatchCollector(
             TrajectoryCollector(trajs, self.keys.used_uids),
             n=rollout.n,
@@ -345,8 +232,6 @@ class TrainingLoop:
         self.reward = RewardClient.from_config(cfg, redis=redis)
 
     def _resume(self) -> None:
-        from rlmesh.learner import latest_checkpoint
-
         mode = self.cfg.trainer.resume_mode
         path = None
         if mode == "auto":
@@ -358,8 +243,7 @@ class TrainingLoop:
             return
         self.state.phase = "STARTING"
         self.progress(f"resuming from {path}")
-        self._collective("load", path)
-        extra = self._loaded_extra
+        extra = self._collective(RankCommand("load", path=path))
         self.state.step = int(extra["step"])
         self.state.version = int(extra["version"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
@@ -368,36 +252,18 @@ class TrainingLoop:
         self.state.last_checkpoint = path
 
     # ----- collectives: rank 0 announces, then runs its own part -----
-    def _collective(self, kind: str, *args: Any) -> Any:
-        if kind == "train":
-            batch, hparams = args
-            self.followers.announce(("train", batch, self.kl_ctrl, hparams))
-            if hparams:
-                self.trainer.update_hyperparams(**hparams)
-            result = self.trainer.train_step(batch, self.kl_ctrl)
-        elif kind == "save":
-            path, extra = args
-            self.followers.announce(("save", path, extra))
-            result = self.trainer.save_checkpoint(path, extra)
-        elif kind == "export":
-            (path,) = args
-            self.followers.announce(("export", path))
-            result = self.trainer.export_hf(path, None)
-        elif kind == "load":
-            (path,) = args
-            self.followers.announce(("load", path))
-            result = self._loaded_extra = self.trainer.load_checkpoint(path)
-        else:
-            raise ValueError(kind)
+    def _collective(self, command: RankCommand) -> Any:
+        self.followers.announce(command)
+        result = run_collective(self.trainer, command)
         self.followers.done()  # not reached when rank 0's part raised: see Followers.finish
         return result
 
     def _weight_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket_bytes = self.cfg.rlmesh.weight_sync.bucket_size_mb << 20
-        self.followers.announce(("push", bucket_bytes))
+        command = RankCommand("push", bucket_bytes=self.cfg.rlmesh.weight_sync.bucket_size_mb << 20)
+        self.followers.announce(command)
         # No copy: the pusher is done with each bucket (copied into its flat buffer, or sent)
         # before it asks for the next, and no optimizer step runs during a push.
-        yield from self.trainer.named_weights_for_push(bucket_bytes, copy=False)
+        yield from run_collective(self.trainer, command)
         self.followers.done()  # an abandoned push leaves the followers' state unknown
 
     # ----- weight sync -----
@@ -454,7 +320,9 @@ class TrainingLoop:
     def _export_snapshot(self, version: int) -> str:
         root = Path(self.cfg.rlmesh.weight_sync.disk_dir or self.checkpoint_root / "weights")
         path = root / f"v{version}"
-        self._collective("export", str(path))  # collective under ZeRO-3: every rank takes part
+        self._collective(
+            RankCommand("export", path=str(path))
+        )  # collective under ZeRO-3: every rank takes part
         # The previous snapshot stays (a replica may be loading it); older ones go.
         for old in root.glob("v*"):
             if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
@@ -476,7 +344,6 @@ class TrainingLoop:
         last_sync = time.monotonic()
 
         def progress(have: int, want: int) -> None:
-            nonlocal last_sync
             self.state.message = f"step {step}: {have}/{want} prompt groups collected"
 
         unreachable_since: float | None = None
@@ -542,11 +409,12 @@ class TrainingLoop:
             self.followers.finish(failure)
             self.state.phase = "FINISHED" if not self.state.stop_requested else "STOPPING"
             self.sinks.close()
-            if hasattr(self, "reward"):  # absent when _connect failed part-way
+            # Each is None when _connect failed before making it.
+            if self.reward is not None:
                 await self.reward.close()
-            if hasattr(self, "pusher"):
+            if self.pusher is not None:
                 await self.pusher.close()
-            if hasattr(self, "_lease_task"):
+            if self._lease_task is not None:
                 self._lease_task.cancel()
                 with contextlib.suppress(Exception):
                     await self.lease.release()
@@ -573,13 +441,11 @@ class TrainingLoop:
         cfg = self.cfg
         values = {
             "kl_coef": float(self.kl_ctrl.value),
-            "lr": float(getattr(self.trainer, "current_lr", lambda: cfg.actor_rollout_ref.actor.optim.lr)()),
-            "entropy_coeff": float(
-                getattr(self.trainer, "entropy_coeff", cfg.actor_rollout_ref.actor.entropy_coeff)
-            ),
+            "lr": self.trainer.peak_lr(),
+            "entropy_coeff": float(self.trainer.actor.entropy_coeff),
             "temperature": float(
                 self.feeder.sampling.temperature
-                if hasattr(self, "feeder")
+                if self.feeder is not None
                 else cfg.actor_rollout_ref.rollout.temperature
             ),
         }
@@ -612,7 +478,8 @@ class TrainingLoop:
             self.kl_ctrl.value = hparams.pop("kl_coef")
         if "temperature" in hparams:  # sampling of the prompts queued from now on
             self.feeder.sampling.temperature = hparams.pop("temperature")
-        metrics = await asyncio.to_thread(self._collective, "train", batch, hparams)
+        train = RankCommand("train", batch=batch, kl_ctrl=self.kl_ctrl, hparams=hparams)
+        metrics = await asyncio.to_thread(self._collective, train)
         st.version += 1
         st.phase = "PUSHING_WEIGHTS"
         t_push = await self.push_weights()
@@ -707,7 +574,8 @@ class TrainingLoop:
             "run_id": self.keys.run_id,
         }
         await asyncio.to_thread(
-            self._collective, "save", path, json.loads(json.dumps(extra, default=_jsonable))
+            self._collective,
+            RankCommand("save", path=path, extra=json.loads(json.dumps(extra, default=_jsonable))),
         )
         self.state.last_checkpoint = path
         trainer_cfg = self.cfg.trainer
@@ -743,13 +611,3 @@ def _rollout_timings(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]
         "rollout/reference_s/mean": sum(t.timings.reference_s for t in trajs) / n,
         "rollout/queue_wait_s/mean": sum(t.timings.queue_wait_s for t in trajs) / n,
     }
-
-
-def learner_env_defaults() -> None:
-    """Single-process DeepSpeed needs the env a launcher would set (deepspeed-cpu notes)."""
-    from rlmesh.runtime.net import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)

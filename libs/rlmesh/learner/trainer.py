@@ -327,6 +327,10 @@ class PPOTrainer:
                 self._pending_kl_coef = float(kl_coef)
         log.info("hyperparameters updated: lr=%s entropy_coeff=%s kl_coef=%s", lr, entropy_coeff, kl_coef)
 
+    def peak_lr(self) -> float:
+        """The actor's peak learning rate now (``update_hyperparams`` changes it)."""
+        return float(self.actor.scheduler.base_lrs[0])
+
     # ------------------------------------------------------------------ weights out
 
     def named_weights_for_push(

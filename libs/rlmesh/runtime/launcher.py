@@ -60,7 +60,8 @@ _PDEATHSIG_SHIM = (
 )
 
 
-def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that the child gets SIGTERM when this process dies (Linux)."""
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
@@ -69,23 +70,6 @@ def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
 def local_rendezvous(world_size: int) -> dict[str, str]:
     """The environment torchrun gives every rank of a one-machine group (RANK/LOCAL_RANK aside)."""
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
-
-
-def spawn_local_ranks(argv: Sequence[str], world_size: int) -> list[subprocess.Popen[bytes]]:
-    """Makes this process rank 0 of ``world_size`` data-parallel ranks on this machine and starts
-    ranks 1.. as children running ``argv``, each with the environment torchrun would give it. They
-    die with this process (PDEATHSIG), share its process group (a signal to the group reaches
-    them all) and write where it writes."""
-    rendezvous = local_rendezvous(world_size)
-    os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})
-    return [
-        subprocess.Popen(
-            _with_parent_death_signal(argv),
-            env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdin=subprocess.DEVNULL,
-        )
-        for r in range(1, world_size)
-    ]
 
 
 @dataclass
@@ -180,7 +164,7 @@ class ProcessLauncher:
             child_env.setdefault("DS_ACCELERATOR", "cpu")
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
-                _with_parent_death_signal(argv),
+                with_parent_death_signal(argv),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -45,14 +45,14 @@ class FakeTrainer:
     def __init__(self) -> None:
         self.calls: list[list[Any]] = []
 
-    def save_checkpoint(self, path: str, tag: str) -> None:
-        self.calls.append(["save_checkpoint", path, tag])
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.calls.append(["save_checkpoint", path, extra])
 
 
 def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     import torch.distributed as dist
 
-    from rlmesh.learner.loop import Followers, RankZeroLost, follow
+    from rlmesh.learner.commands import Followers, RankCommand, RankZeroLost, follow
 
     # The store has its own, long timeout: the two processes start (import torch) at their own
     # pace, and only the collectives are meant to have the short one.
@@ -70,7 +70,7 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
         if scenario == "slow":
             # The one sleep: the test is about a wait outlasting the default group's timeout.
             time.sleep(SILENT_S)
-            followers.announce(("save", "/ckpt/step-1", "global_step_1"))
+            followers.announce(RankCommand("save", path="/ckpt/step-1", extra={"tag": "global_step_1"}))
             followers.done()
         followers.finish("boom" if scenario == "boom" else "")
         dist.destroy_process_group()  # as the learner does: gloo's threads must not outlive the exit
@@ -130,7 +130,7 @@ def test_a_follower_waits_out_both_timeouts_for_a_command_while_rank_zero_lives(
     assert finish(procs) == [0, 0]
     assert rank1_saw(tmp_path) == {
         "failure": "",
-        "calls": [["save_checkpoint", "/ckpt/step-1", "global_step_1"]],
+        "calls": [["save_checkpoint", "/ckpt/step-1", {"tag": "global_step_1"}]],
     }
 
 
