@@ -3,6 +3,7 @@ itself with."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import re
 from pathlib import Path
@@ -76,3 +77,31 @@ def split_fenced(text: str) -> tuple[list[tuple[int, str]], list[tuple[str, int,
         else:
             body.append(line)
     return prose, blocks
+
+
+def python_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if not SKIPPED_DIRS.intersection(p.parts))
+
+
+def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, a module of ``package``; relative
+    imports are resolved against it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+    return found
+
+
+def package_of(path: Path, root: Path, root_name: str) -> str:
+    parts = path.relative_to(root).parent.parts
+    return ".".join([root_name, *parts])

@@ -3,38 +3,7 @@ another one (services talk over gRPC and Redis). Imports inside functions count 
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-from tests.repo.common import REPO, SKIPPED_DIRS, subdirs
-
-
-def python_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*.py") if not SKIPPED_DIRS.intersection(p.parts))
-
-
-def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in ``path``, a module of ``package``; relative
-    imports are resolved against it."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                module = node.module or ""
-            found.append((node.lineno, module))
-            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
-    return found
-
-
-def package_of(path: Path, root: Path, root_name: str) -> str:
-    parts = path.relative_to(root).parent.parts
-    return ".".join([root_name, *parts])
+from tests.repo.common import REPO, imported_modules, package_of, python_files, subdirs
 
 
 def test_the_library_never_imports_services():

@@ -52,7 +52,7 @@ class ServiceConfig(Section):
 
 
 class RewardServiceConfig(ServiceConfig):
-    """The reward service: where it listens, and how it scores (its flags and env vars override)."""
+    """The reward service: where it listens, and how it scores."""
 
     function: Literal["gsm8k", "math", "math_dapo", "arithmetic"] | None = Field(
         None, description="force this built-in scorer for every sample; null = by data_source"
@@ -65,7 +65,7 @@ class RewardServiceConfig(ServiceConfig):
 
 
 class ReferenceServiceConfig(ServiceConfig):
-    """The reference service: where it listens, and its model (its flags and env vars override)."""
+    """The reference service: where it listens, and its model."""
 
     model_path: str | None = Field(
         None, description="the reference model; null = actor_rollout_ref.model.path (the initial actor)"
