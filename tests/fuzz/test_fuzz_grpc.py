@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlmesh.job.stack import start_stack
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
@@ -53,36 +54,18 @@ METHODS = [
 def addresses(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("m"), build_tokenizer(), hidden_size=64, num_layers=2)
     with ProcessLauncher(tmp_path_factory.mktemp("fuzz-stack"), stop_grace_s=20) as launcher:
-        redis = launcher.start_redis()
-        common = [
+        overrides = [
             f"rlmesh.run_id={RUN}",
-            f"rlmesh.redis_url={redis.url}",
             f"actor_rollout_ref.model.path={model}",
             "rlmesh.log_format=text",
             "algorithm.use_kl_in_reward=true",
+            "rlmesh.rollout.replicas=1",
         ]
-        reward = launcher.start_service(
-            "reward", overrides=[*common, "rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
-        )
-        reference = launcher.start_service(
-            "reference", overrides=[*common, "rlmesh.reference.port=0", "rlmesh.reference.metrics_port=0"]
-        )
-        rollout = launcher.start_service(
-            "rollout",
-            overrides=[
-                *common,
-                "rlmesh.rollout.port=0",
-                "rlmesh.rollout.metrics_port=0",
-                f"rlmesh.reward.addresses=['{reward.grpc_address}']",
-                f"rlmesh.reference.addresses=['{reference.grpc_address}']",
-                "rlmesh.sampler.replica_id=fuzzed",
-            ],
-            timeout_s=180,
-        )
+        stack = start_stack(launcher, None, overrides, services=("reward", "reference", "rollout"), say=print)
         yield {
-            "reward": reward.grpc_address,
-            "reference": reference.grpc_address,
-            "rollout": rollout.grpc_address,
+            "reward": stack.get("reward").grpc_address,
+            "reference": stack.get("reference").grpc_address,
+            "rollout": stack.rollouts[0].grpc_address,
         }
 
 
