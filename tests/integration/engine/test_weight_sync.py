@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import rlmesh.learner.weight_payload as payload_module
 import rlmesh.learner.weight_push as push_module
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner.weight_push import WeightPusher, WeightPushError
@@ -114,7 +115,7 @@ def test_a_trainer_whose_weights_lie_packed_pushes_them_without_a_copy(
     def no_copy(*args, **kwargs):
         raise AssertionError("packed tensors were copied")
 
-    monkeypatch.setattr(push_module, "flatten_tensors", no_copy)
+    monkeypatch.setattr(payload_module, "flatten_tensors", no_copy)
     engine = launcher.start_engine(tiny_model_dir, name="push-packed")
 
     async def push():

@@ -3,7 +3,9 @@
 import torch
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import VERIFY_ROWS, VerifySample, WeightPusher, aligned, same_values
+from rlmesh.learner.weight_payload import aligned
+from rlmesh.learner.weight_push import WeightPusher
+from rlmesh.learner.weight_verify import VERIFY_ROWS, VerifySample, same_values
 from rlmesh.weights.bucket import layout
 
 

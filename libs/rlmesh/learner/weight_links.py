@@ -1,0 +1,130 @@
+"""The pusher's engine links: one weight group per engine, built, kept across pushes and dropped.
+
+One group per engine, so a replica that dies mid-push breaks only its own group (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.runtime.net import free_port
+from rlmesh.runtime.threads import run_in_daemon_thread
+from rlmesh.weights.bucket import FLATTENED_BUCKET
+from rlmesh.weights.group import destroy_process_group, init_custom_process_group
+
+log = logging.getLogger("rlmesh.weights")
+
+
+@dataclass
+class EngineLink:
+    client: EngineClient
+    ranks: int = 1  # the engine's TP size
+    group_name: str = ""
+    pg: dist.ProcessGroup | None = None
+    healthy: bool = True
+    # What this engine is sent: the pusher's load_format, or per tensor for a server too old for it.
+    load_format: str | None = None
+    # False once the engine said it cannot answer /get_weights_by_name (SGLang's Qwen2 cannot).
+    verifiable: bool = True
+    # A broadcast on its group may still be pending (abandoned when the engine refused the update
+    # before receiving): the group must not be destroyed under it.
+    busy: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.client.name
+
+
+def relink(
+    links: Sequence[EngineLink], clients: Sequence[EngineClient], ranks: Sequence[int]
+) -> tuple[list[EngineLink], list[EngineClient]]:
+    """Links for exactly ``clients`` (by URL), each bringing ``ranks`` to its group, and the clients
+    no longer used. A known healthy engine keeps its link and group; a new one, one that failed
+    before, or one whose ranks changed, gets a fresh link."""
+    by_url = {link.client.url: link for link in links}
+    kept, unused = [], []
+    for client, n_ranks in zip(clients, ranks, strict=True):
+        link = by_url.pop(client.url, None)
+        if link is not None and (not link.healthy or link.ranks != n_ranks):
+            drop_group(link)
+            if link.client is not client:
+                unused.append(link.client)
+            link = None
+        if link is None:
+            link = EngineLink(client=client, ranks=n_ranks)
+        elif link.client is not client:
+            unused.append(client)
+        kept.append(link)
+    for gone in by_url.values():
+        drop_group(gone)
+        unused.append(gone.client)
+    return kept, unused
+
+
+async def build_group(
+    link: EngineLink,
+    group_name: str,
+    failed: dict[str, str],
+    *,
+    backend: str,
+    master_address: str,
+    timeout_s: float,
+    control_timeout_s: float,
+    load_format: str | None,
+) -> None:
+    """Builds ``link``'s group (the trainer is rank 0) and settles what the engine is sent; an
+    engine that fails is marked unhealthy and listed in ``failed``."""
+    link.group_name = group_name
+    port = free_port(master_address)
+    world = 1 + link.ranks
+    own = run_in_daemon_thread(
+        init_custom_process_group,
+        backend,
+        f"tcp://{master_address}:{port}",
+        world,
+        0,
+        group_name,
+        timeout_s,
+        name="weight-sync",
+    )
+    try:
+        # An engine registered at an address the learner cannot reach would otherwise hold
+        # every push up for the whole timeout, once per push.
+        if not await link.client.reachable(control_timeout_s):
+            raise EngineError(f"{link.name}: /health did not answer within {control_timeout_s:g} s")
+        link.load_format = load_format
+        if load_format == FLATTENED_BUCKET and not await link.client.supports_flattened_bucket():
+            link.load_format = None
+            log.warning("engine %s predates load_format=flattened_bucket: pushing it per tensor", link.name)
+        await link.client.init_weights_update_group(master_address, port, 1, world, group_name, backend)
+        link.pg = await own
+    except Exception as e:
+        link.healthy = False
+        failed[link.name] = f"could not build weight group: {e}"
+        log.error("engine %s: weight group failed: %s", link.name, e)
+        # Our side of the rendezvous gives up at its deadline; don't wait for it here.
+        own.add_done_callback(lambda t: t.exception() is None and destroy_process_group(t.result()))
+
+
+def drop_group(link: EngineLink) -> None:
+    if link.pg is not None and link.busy:
+        # Destroying a group under a pending collective can abort the process: let it time out.
+        log.warning("engine %s: weight group %s left to its deadline", link.name, link.group_name)
+    elif link.pg is not None:
+        destroy_process_group(link.pg)
+    link.pg = None
+
+
+async def close_link(link: EngineLink) -> None:
+    """Asks a healthy engine to destroy its side of the group, then destroys ours."""
+    if link.pg is not None and link.healthy:
+        try:
+            await link.client.destroy_weights_update_group(link.group_name)
+        except EngineError as e:
+            log.warning("%s", e)
+    drop_group(link)
