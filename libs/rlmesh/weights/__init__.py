@@ -1,1 +1,1 @@
-"""Weight sync from the learner to inference engines (SGLang's protocol), trainer and engine side."""
+"""The weight-sync format learner and engine share: bucket layout, group init (imports neither side)."""
