@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from rlmesh.data import PromptItem
+from rlmesh.data import PromptCursor, PromptItem
 from rlmesh.queue.streams import StreamQueue
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
@@ -43,7 +43,7 @@ class PromptFeeder:
         self,
         queue: StreamQueue[trajectory_pb2.PromptTask],
         dataset: Sequence[PromptItem],
-        sampler: Any,
+        cursor: PromptCursor,
         *,
         batch_size: int,
         n: int,
@@ -52,7 +52,7 @@ class PromptFeeder:
     ) -> None:
         self.queue = queue
         self.dataset = dataset
-        self.sampler = sampler
+        self.cursor = cursor
         self.batch_size = batch_size
         self.n = n
         self.incarnation = incarnation
@@ -89,14 +89,14 @@ class PromptFeeder:
         for s in range(step, step + max_staleness + 1):
             if s in self.enqueued:
                 continue
-            self._cursor_before[s] = copy.deepcopy(self.sampler.state_dict())
-            items = [self.dataset[i] for i in self.sampler.next_indices(self.batch_size)]
+            self._cursor_before[s] = copy.deepcopy(self.cursor.state_dict())
+            items = [self.dataset[i] for i in self.cursor.next_indices(self.batch_size)]
             tasks = [self.make_task(item, s, version) for item in items]
             try:
                 await self.queue.put(tasks)
             except BaseException:
                 # Not enqueued: the next try must draw the same prompts for step s.
-                self.sampler.load_state_dict(self._cursor_before.pop(s))
+                self.cursor.load_state_dict(self._cursor_before.pop(s))
                 raise
             self.enqueued[s] = [t.group_uid for t in tasks]
             self.outstanding.update({t.group_uid: (s, t, 1) for t in tasks})
@@ -122,7 +122,7 @@ class PromptFeeder:
         """Enqueues the next prompt of the data in place of group ``replaces`` (a prompt that failed
         every time it was tried)."""
         step, _, _ = self.outstanding.pop(replaces)
-        item = self.dataset[self.sampler.next_indices(1)[0]]
+        item = self.dataset[self.cursor.next_indices(1)[0]]
         task = self.make_task(item, step, version)
         await self.queue.put([task])
         self.outstanding[task.group_uid] = (step, task, 1)
@@ -138,7 +138,7 @@ class PromptFeeder:
         ``step`` must restore, even if later steps were already enqueued."""
         if step + 1 in self._cursor_before:
             return self._cursor_before[step + 1]
-        return copy.deepcopy(self.sampler.state_dict())
+        return copy.deepcopy(self.cursor.state_dict())
 
     def forget_before(self, step: int) -> None:
         for s in [s for s in self.enqueued if s < step]:

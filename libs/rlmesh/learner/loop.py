@@ -127,7 +127,7 @@ class TrainingLoop:
         self.val_set = (
             RLHFDataset.from_config(cfg.data, self.tokenizer, split="val") if cfg.data.val_files else None
         )
-        self.sampler = PromptCursor.from_config(cfg.data, self.train_set)
+        self.cursor = PromptCursor.from_config(cfg.data, self.train_set)
         self.state.total_steps = total_training_steps(cfg, len(self.train_set))
         self.trainer = make_trainer(cfg, self.state.total_steps)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
@@ -201,7 +201,7 @@ class TrainingLoop:
         self.feeder = PromptFeeder(
             prompts,
             self.train_set,
-            self.sampler,
+            self.cursor,
             batch_size=cfg.data.train_batch_size,
             n=rollout.n,
             incarnation=self.incarnation,
@@ -247,7 +247,7 @@ class TrainingLoop:
         self.state.step = int(extra["step"])
         self.state.version = int(extra["version"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        self.sampler.load_state_dict(extra["data_cursor"])
+        self.cursor.load_state_dict(extra["data_cursor"])
         self.used_window = deque([list(extra.get("used_uids", []))])
         self.state.last_checkpoint = path
 
@@ -512,7 +512,7 @@ class TrainingLoop:
                 "training/tokens": tokens,
                 "training/response_tokens": response_tokens,
                 "training/policy_version": st.version,
-                "training/epoch": self.sampler.epoch,
+                "training/epoch": self.cursor.epoch,
                 **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
                 **{f"training/{k}": float(v) for k, v in self.recovery.take_counts().items()},
                 **_rollout_timings(collected.trajectories),

@@ -129,17 +129,17 @@ async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the
     redis = connect(redis_url)
     keys = RunKeys(f"f-{uuid.uuid4().hex[:6]}")
     items = prompt_items(10)
-    sampler = PromptCursor(len(items), shuffle=True, seed=1)
+    cursor = PromptCursor(len(items), shuffle=True, seed=1)
     queue = prompt_queue(redis, keys, "learner")
     await queue.ensure_group()
-    feeder = PromptFeeder(queue, items, sampler, batch_size=3, n=2, incarnation=4)
+    feeder = PromptFeeder(queue, items, cursor, batch_size=3, n=2, incarnation=4)
     assert await feeder.ensure(1, version=0, max_staleness=1) == [1, 2]
     assert await feeder.ensure(1, version=0, max_staleness=1) == []
     assert await queue.length() == 6
     after_step_1 = feeder.cursor_after(1)
     replay = PromptCursor(len(items), shuffle=True, seed=1)
     replay.load_state_dict(after_step_1)
-    assert replay.next_indices(3) == [int(i) for i in sampler.epoch_order(0)[3:6]]
+    assert replay.next_indices(3) == [int(i) for i in cursor.epoch_order(0)[3:6]]
     tasks = [d.message for d in await queue.claim(6)]
     assert all(incarnation_of(t.group_uid) == 4 and t.n == 2 for t in tasks)
     assert [t.step for t in tasks] == [1, 1, 1, 2, 2, 2]
