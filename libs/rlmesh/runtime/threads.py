@@ -11,7 +11,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def run_in_daemon_thread(fn: Callable[..., T], *args: object, name: str = "blocking-call") -> asyncio.Future[T]:
+def run_in_daemon_thread(
+    fn: Callable[..., T], *args: object, name: str = "blocking-call"
+) -> asyncio.Future[T]:
     """Awaitable ``fn(*args)`` in a daemon thread. For calls that cannot be cancelled (a rendezvous
     whose peer never came waits out its deadline): in asyncio's executor they would hold up the
     process's exit, since its threads are joined."""
