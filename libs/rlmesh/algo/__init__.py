@@ -1,10 +1,6 @@
-"""Every formula the learner computes, as pure tensor functions.
+"""Every formula the learner computes, as pure tensor functions with verl's names and arguments.
 
-Names and argument order follow verl's ``verl/trainer/ppo/core_algos.py`` and
-``verl/utils/torch_functional.py`` wherever verl has the same function, so results compare
-number for number. See ``docs/algorithms.md`` for the equations and the config keys that select
-them.
-"""
+The equations and the config keys that select them: docs/algorithms.md."""
 
 from rlmesh.algo.advantages import (
     ADV_ESTIMATOR_REGISTRY,

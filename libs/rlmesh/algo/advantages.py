@@ -1,12 +1,6 @@
-"""Advantage estimators and their registry.
+"""Advantage estimators and their registry, as verl's ``core_algos.py`` has them.
 
-Names, argument order and edge handling follow ``verl/trainer/ppo/core_algos.py``. The
-group-based estimators compute each group's statistics with the same torch reductions over the
-group's scores in batch order, so their outputs equal verl's per-sample loops bit for bit while
-looping over groups instead of samples. A sequence score is the masked sum of its token rewards
-(verl sums the whole row; the two agree whenever rewards are zero past the response, as they
-are in every trainer path, and the masked sum keeps padding garbage out).
-"""
+docs/algorithms.md#advantage-estimators--algorithmadv_estimator"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """KL estimators, KL-in-reward shaping and the KL coefficient controllers.
 
-Estimators follow J. Schulman, "Approximating KL divergence" (2020) and verl's ``kl_penalty``;
-the controllers follow Ziegler et al. 2019 ("Fine-tuning language models from human
-preferences") as verl does.
-"""
+docs/algorithms.md#kl-in-reward--algorithmuse_kl_in_reward-algorithmkl_penalty-algorithmkl_ctrl"""
 
 from __future__ import annotations
 

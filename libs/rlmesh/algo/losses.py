@@ -1,7 +1,6 @@
 """Loss aggregation, the PPO clipped policy loss, the clipped value loss and the entropy bonus.
 
-Names, arguments and numerics follow ``verl/trainer/ppo/core_algos.py``.
-"""
+docs/algorithms.md#policy-loss--actor_rollout_refactor"""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Masked reductions over the valid tokens of a padded batch.
+"""Masked reductions over the valid tokens of a padded batch: padding never touches a result.
 
-Every function takes ``values`` and a same-shaped ``mask`` (bool, int or float; non-zero marks a
-valid token). Positions where the mask is zero never influence a result, even when they hold
-NaN or inf: masked values are replaced by zero before any arithmetic touches them.
-
-Formulas follow ``verl/utils/torch_functional.py`` so results compare number for number.
-"""
+docs/algorithms.md#masked-statistics"""
 
 from __future__ import annotations
 

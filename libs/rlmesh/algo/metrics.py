@@ -1,8 +1,6 @@
 """Diagnostics the learner logs every step: clip fraction, approximate KL, batch statistics.
 
-Key names follow verl's ``compute_data_metrics`` (``critic/advantages/mean``, ...) so dashboards
-built for verl read rlmesh runs too.
-"""
+docs/algorithms.md#log-probabilities-and-metrics"""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """Rollout correction: truncated importance sampling between rollout and learner log-probs.
 
-The rollout engine samples from :math:`\\pi_{rollout}` (another kernel, another precision, and
-with ``max_staleness >= 1`` older weights); the learner's PPO ratio is taken against
-:math:`\\pi_{old}`, the learner's own log-probs of the same tokens. Truncated importance weights
-:math:`\\min(\\pi_{old}/\\pi_{rollout}, C)` correct the gap (Yao et al. 2025, "Your efficient RL
-framework secretly brings you off-policy RL training"; verl's ``rollout_corr_helper``), and the
-mismatch metrics show how large it is.
-
-Formulas, metric names and the ``exp(+-20)`` safety bound follow
-``verl/trainer/ppo/rollout_corr_helper.py``.
-"""
+docs/algorithms.md#rollout-correction--algorithmrollout_correction"""
 
 from __future__ import annotations
 
