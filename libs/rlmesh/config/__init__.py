@@ -1,10 +1,6 @@
 """rlmesh's typed config tree: verl's keys and defaults, plus the `rlmesh` section.
 
-    cfg = load_config("examples/cpu_demo.yaml", ["actor_rollout_ref.actor.optim.lr=1e-6"])
-    cfg.actor_rollout_ref.actor.clip_ratio
-
-Every key has a description; `keys_markdown_table()` renders them all for the README.
-"""
+docs/internals.md#rlmeshconfig"""
 
 from rlmesh.config.actor_rollout_ref import (
     ActorConfig,

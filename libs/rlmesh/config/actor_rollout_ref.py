@@ -1,9 +1,6 @@
 """The `actor_rollout_ref` section: policy model, actor training, rollout engine, reference policy.
 
-Keys and defaults follow verl's ppo_trainer.yaml (model/hf_model.yaml, actor/actor.yaml +
-actor/dp_actor.yaml, rollout/rollout.yaml, ref/ref.yaml + ref/dp_ref.yaml). Fields documented as
-"null = ..." follow another key the way verl's `${...}` interpolations do; RLMeshConfig fills them in.
-"""
+Keys and defaults follow verl's: docs/internals.md#rlmeshconfigactor_rollout_ref-and-rlmeshconfigsections"""
 
 from __future__ import annotations
 

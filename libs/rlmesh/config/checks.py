@@ -1,9 +1,6 @@
-"""Cross-field rules: verl's config checks (verl/utils/config.py validate_config, the actor/critic
-config dataclasses, the workers' batch-size normalisation) plus rlmesh's own.
+"""Cross-field rules, verl's and rlmesh's own, each a sentence naming the keys and their numbers.
 
-Each rule returns a sentence naming the keys and their numbers, so a user can fix it without
-reading code. Checks run after derived values (null = follow another key) are filled in.
-"""
+docs/internals.md#rlmeshconfigchecks"""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Keeps the key tables in README.md and docs/config.md equal to the schema.
-
-``make docs`` rewrites them; a test fails when they are stale, so a new key cannot land
-undocumented.
-"""
+"""Keeps the key tables in README.md and docs/config.md equal to the schema (``make docs``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Loading: built-in defaults <- YAML file <- dotted overrides, `${...}` resolved, then validation.
 
-Overrides are what a verl user types after `python -m verl.trainer.main_ppo`:
-`actor_rollout_ref.actor.clip_ratio=0.2`, `trainer.logger=['console','wandb']`, `+key=value`.
-Values are parsed as OmegaConf's from_dotlist does (YAML scalars: `1e-6` is a float, `null` is None).
-"""
+docs/internals.md#rlmeshconfigloader"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Optimizer and training-engine sections shared by the actor and the critic.
 
-rlmesh trains under DeepSpeed ZeRO whatever `strategy` says. verl's `fsdp_config` keys still load:
-`param_offload` maps to ZeRO `offload_param` and `optimizer_offload` to `offload_optimizer`, unless
-`deepspeed_config` sets them explicitly; `EngineSettings` is the merged result consumers read.
-"""
+docs/internals.md#rlmeshconfigoptim"""
 
 from __future__ import annotations
 

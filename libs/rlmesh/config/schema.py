@@ -1,10 +1,6 @@
-"""The root of the config tree.
+"""The root of the config tree; derived keys (verl's interpolations) are filled in here.
 
-Consumers read plain values: every key that verl defines by interpolation
-(`critic.ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}`, …) is null by
-default here and filled in by `_resolve_derived`, so an override of the source key carries over
-exactly as it does in verl.
-"""
+docs/internals.md#rlmeshconfigschema"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """verl's other top-level sections: data, critic, reward_model, custom_reward_function, algorithm, trainer.
 
-Defaults follow verl's ppo_trainer.yaml (data/legacy_data.yaml, critic/critic.yaml +
-critic/dp_critic.yaml, reward_model/*.yaml, the algorithm and trainer blocks of ppo_trainer.yaml,
-algorithm/rollout_correction.yaml).
-"""
+Keys and defaults follow verl's: docs/internals.md#rlmeshconfigactor_rollout_ref-and-rlmeshconfigsections"""
 
 from __future__ import annotations
 
