@@ -1,15 +1,6 @@
 """A synthetic, exactly verifiable task for the CPU demo: multi-term integer arithmetic.
 
-A prompt is one user message, ``What is 12+7*3? Answer after "####".``; the answer is the integer
-value (usual precedence: * before + and -), and a solution reads GSM8K-style ``#### 33``, so verl's
-gsm8k rule scorer works on it unchanged. The instruction is verl's gsm8k idea cut short
-(ARITHMETIC_INSTRUCTION, 20 characters) because a char-level tiny model spends one token per
-character: with the ChatML wrapping a 3-term prompt is ~55 tokens.
-
-Expressions are drawn with a seeded RNG and never repeated, the test split first, then the optional
-dev split (held out for the supervised warm-up's stopping check), then train, so the splits are
-disjoint and the test set for a seed does not change when train_size or dev_size does.
-"""
+docs/train.md#rlmesh-data"""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """The training-set cursor: which prompts come next, resumable exactly from a checkpoint.
 
-Epoch e visits the dataset in the order ``permutation(seed, e)`` (identity without shuffle). The
-whole state is (epoch, position) plus the seed, so a learner that saves ``state_dict()`` and later
-``load_state_dict()``s it continues with exactly the batches an uninterrupted run would have seen,
-across epoch boundaries too.
-
-Epoch boundaries: with ``drop_last=True`` (verl's dataloader) a batch never spans two epochs; the
-tail of an epoch that is shorter than the batch is skipped. With ``drop_last=False`` the batch is
-filled from the start of the next epoch, so every batch has the size asked for.
-"""
+docs/internals.md#rlmeshdatacursor"""
 
 from __future__ import annotations
 

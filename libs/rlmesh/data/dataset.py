@@ -1,18 +1,6 @@
 """Prompts from Parquet in verl's layout, tokenized the way verl's RLHFDataset does it.
 
-Columns: ``data_source`` (picks the reward function; the column name is ``reward_fn_key``),
-``prompt`` (a chat-message list [{role, content}, ...] or a plain string; the column name is
-``prompt_key``), ``ability``, ``reward_model`` {style, ground_truth}, ``extra_info`` (a struct).
-``ability`` and ``extra_info`` may be absent; the others are required (``reward_model`` only
-while ``require_ground_truth``).
-
-As in verl: a message list goes through ``apply_chat_template(add_generation_prompt=True)`` and is
-encoded without special tokens; a prompt over ``max_prompt_length`` tokens is dropped when
-``filter_overlong_prompts`` (before truncation is considered), otherwise cut by ``truncation``
-(left keeps the end, right keeps the start, middle keeps both ends) or refused ("error").
-Unlike verl, every row is read, checked and tokenized up front, so bad data fails at start-up
-and not hours into a run.
-"""
+docs/train.md#data-layout"""
 
 from __future__ import annotations
 

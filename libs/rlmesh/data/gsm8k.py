@@ -1,10 +1,6 @@
-"""GSM8K (``question``, ``answer`` records) to verl's layout, as verl's
-examples/data_preprocess/gsm8k.py does it: the question plus verl's instruction as one user message,
-the ground truth taken after ``#### `` with commas removed, data_source ``openai/gsm8k``, ability
-``math``, extra_info {split, index, answer, question}. Only question and answer are carried over.
+"""GSM8K (``question``, ``answer`` records) to verl's layout, as verl's GSM8K preprocessing does it.
 
-Input: the public jsonl files (one JSON object a line) or a Parquet export; no download here.
-"""
+docs/train.md#rlmesh-data"""
 
 from __future__ import annotations
 
