@@ -1,16 +1,5 @@
 """``rlmesh demo``: the CPU demo — a tiny model learns the arithmetic task with PPO, every role
-in its own process.
-
-1. prepare (cached under the work dir): a char-level tokenizer and a tiny Qwen2 from a config,
-   the arithmetic task in verl's layout, and a supervised warm-up that stops once held-out (dev)
-   accuracy reaches a band, so the policy starts from the same place on every machine;
-2. then exactly ``rlmesh train`` with the demo's config (examples/cpu_demo.yaml) and the prepared
-   paths: every service its own process, a live line per step, a summary, a plot, the export.
-
-The prepare step also points ``<workdir>/model`` and ``<workdir>/data`` at what it prepared last: the
-paths examples/cpu_demo.yaml and docker-compose.yml read by default, so ``rlmesh train -c
-examples/cpu_demo.yaml`` trains on the demo's model and data once ``rlmesh demo`` has run.
-"""
+in its own process: a cached preparation, then exactly ``rlmesh train``. docs/train.md#rlmesh-demo"""
 
 from __future__ import annotations
 

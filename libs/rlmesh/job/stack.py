@@ -1,7 +1,5 @@
-"""Starting a run's services as OS processes: ``start_stack`` is the one function that does it
-(``rlmesh train``, the demo, ``rlmesh up``, the e2e tests and ``make bench`` all call it), and
-``run_stack`` is ``rlmesh up``: start everything, probe health, metrics and info RPCs, stop.
-"""
+"""Starting a run's services as OS processes: ``start_stack`` (every job calls it) and ``run_stack``,
+which is ``rlmesh up``. docs/train.md#rlmesh-up"""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """``rlmesh train -c CONFIG [key=value ...]``: a whole PPO job on this machine, the counterpart of
-verl's ``main_ppo``. It validates the config, starts what the config needs (``start_stack``),
-follows the learner with one progress line per step, then prints a summary, writes a plot and
-exports the actor. Running the same command again resumes from the last checkpoint."""
+verl's ``main_ppo``. docs/train.md"""
 
 from __future__ import annotations
 
