@@ -1,9 +1,6 @@
 """An asyncio Redis client that rides out connection loss and Redis restarts.
 
-redis-py retries each command with exponential backoff on connection errors, timeouts and the
-'loading the dataset' reply a restarting Redis gives; ``retry_forever`` adds an outer loop with a
-deadline for the operations that must not give up while Redis comes back.
-"""
+docs/reliability.md#redis-connection"""
 
 from __future__ import annotations
 

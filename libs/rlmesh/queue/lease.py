@@ -1,9 +1,6 @@
 """One learner per run id: a Redis key held under a lease that its holder keeps renewing.
 
-Two learners on one run would both consume as ``learner-0`` and both trim the prompt stream. The
-second one waits for the key (a killed learner's lease runs out within ``lease_s``) and gives up
-with the holder's name when a live learner keeps renewing it.
-"""
+docs/reliability.md#guards-that-keep-a-long-run-bounded"""
 
 from __future__ import annotations
 

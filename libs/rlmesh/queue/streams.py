@@ -1,27 +1,6 @@
 """A typed work queue on a Redis Stream with a consumer group: at-least-once delivery.
 
-- ``put`` adds protobuf messages atomically (a Lua script) and refuses, with ``QueueFullError``,
-  a batch that would take the stream past ``maxlen``: unconsumed work is never trimmed away.
-- ``claim`` returns, in this order: this consumer's own pending entries left from a restart
-  (read once, when the queue object is new), entries left idle for ``claim_idle_ms`` (a dead
-  consumer's work, or this consumer's own orphans, see below), then new entries. ``interrupt``
-  ends a claim in progress early, a blocked wait included, and loses nothing.
-- Orphans: Redis can hand entries to this consumer that this process never learns of (the
-  connection drops after Redis ran an XREADGROUP but before its reply arrived: redis-py retries
-  the command and the first reply is lost; or a ``claim`` failed after part of it was read).
-  Other consumers take them over once idle for ``claim_idle_ms``, like a dead consumer's; so
-  does this one's ``claim``, or with a single consumer they would wait for its restart. An own
-  pending entry that this queue object never handed out (or handed out and was then told to
-  ``forget``) is an orphan. One it handed out and that is not acked yet is never handed out
-  again by it, however idle (the learner holds trajectories for a step or more untouched).
-- Invariant for consumers with several replicas: an entry a consumer is still working on must be
-  ``touch``-ed more often than every ``claim_idle_ms``, or another consumer takes it over. One
-  it will not finish is ``release``-d: others take it over at their next claim.
-- ``ack`` acknowledges and deletes entries, so the stream holds exactly the unfinished work. A
-  consumer that acks in a transaction of its own calls ``forget`` for them.
-- Poison entries (undecodable, or delivered more than ``max_deliveries`` times) move to the
-  dead-letter stream with the reason; they never block the queue.
-"""
+docs/reliability.md#streams"""
 
 from __future__ import annotations
 

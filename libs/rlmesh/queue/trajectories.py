@@ -1,11 +1,6 @@
 """The learner's side of the trajectory stream: batches with every uid at most once, and a
 commit that marks their uids used and acks them in one transaction.
-
-Exactly-once in effect: a trajectory is acked only in ``commit``, after the step that trained on
-it was committed; a redelivery (a replica retried a publish, a task was reclaimed, the learner
-restarted before acking) carries a uid that is either in the batch being built or in the used
-set, so it is acked and dropped instead of counted twice.
-"""
+docs/reliability.md#trajectories-exactly-once-in-effect"""
 
 from __future__ import annotations
 
