@@ -1,21 +1,6 @@
-"""Trajectories to padded tensors, laid out as verl's ``DataProto.batch`` is.
+"""Trajectories to padded tensors, laid out as verl's ``DataProto.batch`` is; bad samples refused.
 
-With ``P`` the longest prompt and ``R`` the longest response of the batch (or the fixed widths
-given), one row per trajectory::
-
-    prompts         (bs, P)      left-padded with pad_token_id
-    responses       (bs, R)      right-padded with pad_token_id
-    input_ids       (bs, P + R)  cat(prompts, responses)
-    attention_mask  (bs, P + R)  1 on real tokens
-    position_ids    (bs, P + R)  clip(cumsum(attention_mask) - 1, 0)  (verl's compute_position_id_with_mask)
-    response_mask   (bs, R)      attention_mask[:, -R:]
-    token_level_scores (bs, R)   the sequence score on the last valid response token
-
-A trajectory the learner must not train on (NaN score, empty response, an error, log-probs of the
-wrong length) is refused with a :class:`BatchError` naming its uid and the field, before anything
-reaches a loss; :func:`validate_trajectory` gives the same verdict for one trajectory so a caller
-can drop and log bad samples first.
-"""
+docs/internals.md#rlmeshlearnerbatch"""
 
 from __future__ import annotations
 

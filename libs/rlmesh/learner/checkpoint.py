@@ -1,19 +1,6 @@
-"""Atomic learner checkpoints.
+"""Atomic learner checkpoints: written by all ranks into a temporary directory, renamed when complete.
 
-Layout of a checkpoint directory ``PATH``::
-
-    PATH/actor/state/...      DeepSpeed checkpoint: module, ZeRO optimizer partitions, client
-    PATH/critic/state/...     state (lr scheduler); one file per rank where ZeRO partitions
-    PATH/rng/rank_<r>.pt      python, numpy and torch RNG states of every rank
-    PATH/trainer_state.json   the caller's extra_state, skipped-step counter, hyperparameters
-    PATH/config.yaml          the run's config (auth token removed), for ``rlmesh export``
-    PATH/COMPLETE             written last
-
-Everything is written into ``PATH.tmp-<pid of rank 0>`` by all ranks together (DeepSpeed's
-checkpointing is collective); after a barrier rank 0 writes ``COMPLETE``, fsyncs and renames the
-directory to ``PATH``. A crash at any point leaves either the previous state of ``PATH`` or a
-``.tmp-`` directory that :func:`latest_checkpoint` never returns.
-"""
+docs/reliability.md#checkpoints"""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once.
 
-Trajectories arrive in any order from any replica. They are grouped by ``group_uid`` until all
-``n`` samples of a group are in; a step takes ``batch_groups`` complete groups (first come,
-first served), and what arrives beyond that waits for the next step. Filters, each counted:
-
-- an older learner incarnation's group (see feeder): discarded;
-- a sample of a group the learner no longer waits for (``wanted``: given up as lost and enqueued
-  again under a new uid, or already trained on): discarded, so a latecomer — say an entry whose
-  delivery was lost and that the queue hands out again later — neither waits for ever nor
-  stays pending;
-- a group sampled with weights more than ``max_staleness`` versions old: discarded, and its
-  prompt re-enqueued once;
-- an invalid sample (error set, non-finite score, bad lengths): dropped from its group, which
-  still completes.
-
-Nothing is acked here: ``commit`` acks a step's entries (and everything discarded) only after
-the step was committed, so a learner crash replays them.
-"""
+docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 

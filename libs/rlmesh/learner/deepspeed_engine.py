@@ -1,11 +1,6 @@
 """DeepSpeed configuration and engine construction for the actor and the critic.
 
-Gradient accumulation is driven by the trainer (``set_gradient_accumulation_boundary`` before each
-micro-batch, ``step()`` once per mini-batch), so DeepSpeed's own batch bookkeeping is set to one
-sample per rank and never scales the loss: the trainer's losses are already normalised over the
-global mini-batch. The optimizer is a plain ``torch.optim.AdamW`` (verl's), handed to DeepSpeed as
-its client optimizer: no op compilation, and it works at every ZeRO stage.
-"""
+docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """torch.distributed for the learner: one process group over the data-parallel ranks.
 
-Launched by ``deepspeed``/``torchrun`` the environment names the group; a plain single process
-makes a group of one on a free loopback port itself (without a group DeepSpeed falls back to MPI
-discovery and fails). Backend: NCCL when CUDA is there, else gloo.
-"""
+docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""HF directories of the actor from a learner checkpoint on disk (`PPOTrainer.export_hf` writes
-the same from a live trainer).
+"""HF directories of the actor from a learner checkpoint on disk (``rlmesh export``).
 
-    rlmesh export --checkpoint DIR --out DIR [--config FILE] [--dtype auto] [overrides ...]
-
-``--checkpoint`` is one checkpoint directory or a directory of them (the latest complete one is
-used). The export needs no DeepSpeed engine and no process group: the actor's weights are read
-from the checkpoint files (``zero_to_fp32`` reassembles ZeRO-1/2/3 partitions), LoRA adapters are
-merged, and the result is ``model.safetensors`` (or shards + index), ``config.json``,
-``generation_config.json`` and the tokenizer files, loadable with
-``AutoModelForCausalLM.from_pretrained``.
-"""
+docs/train.md#rlmesh-export"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Prompt tasks for upcoming steps, never more than ``1 + max_staleness`` batches ahead.
 
-Group uids carry the learner's incarnation (a counter in Redis bumped at every learner start):
-after a restart from a checkpoint, trajectories of tasks enqueued by the previous incarnation
-are recognised and discarded, because the restored data cursor enqueues those prompts again.
-"""
+docs/reliability.md#prompt-tasks-and-incarnations"""
 
 from __future__ import annotations
 

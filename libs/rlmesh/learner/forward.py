@@ -1,14 +1,6 @@
 """Forward passes of one micro-batch: per-token log-probs/entropies (actor) and values (critic).
 
-A micro-batch is cut out of the padded batch and trimmed to its own widths first: leading columns
-that are padding in every row's prompt and trailing columns past its longest response. Attention
-masks keep the result equal to the untrimmed forward; outputs are padded back to the batch's
-response width ``R`` with zeros.
-
-Alignment (as verl): the logit at position ``t`` predicts token ``t + 1``, so the response token
-``j`` (input position ``P + j``) is scored by the output at ``P + j - 1``; with the input ending at
-the last response column that is the slice ``[-w - 1 : -1]`` for ``w`` response columns.
-"""
+docs/internals.md#rlmeshlearnerforward"""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """The learner's run loop (rank 0 drives, other ranks follow): one PPO step at a time.
 
-    ensure prompt tasks for steps step..step+max_staleness are queued
-    collect train_batch_size complete groups (fresh, valid, each trajectory once)
-    train_step on every rank (the trainer shards the batch)         -> verl's metrics
-    push the new weights to every live replica, bump the version    -> replicas generate with it
-    checkpoint every save_freq steps, then commit the step (ack its trajectories)
-    validate every test_freq steps
-
-``max_staleness = 0`` is verl's synchronous PPO: step k's prompts are queued only after version
-k was pushed, so every trajectory of step k comes from the weights of step k.
-"""
+docs/design.md#one-ppo-step-as-data"""
 
 from __future__ import annotations
 

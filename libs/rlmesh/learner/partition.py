@@ -1,12 +1,6 @@
 """Deterministic split of a batch into mini-batches, data-parallel shards and micro-batches.
 
-Every rank holds the whole batch and computes every rank's split itself, so the plan needs no
-communication and is the same everywhere. A global mini-batch is the same set of samples
-whatever the number of ranks (rows ``[k*M, (k+1)*M)`` of the possibly shuffled batch); each rank
-takes a contiguous share of it. All ranks run the same number of micro-batches (ZeRO-2/3
-forward/backward passes are collective): a rank with fewer gets empty ones, which the trainer
-runs as zero-weighted dummies.
-"""
+docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Groups that can no longer arrive are enqueued again, so a step never waits forever.
 
-A group is lost when nothing left anywhere could complete it: no prompt task waits or is being
-worked on, no trajectory is unread, yet the group is short. That happens when Redis loses its
-last writes in a crash (``appendfsync everysec``), or when a task was dead-lettered (the engine
-refused it, or it was redelivered too often). A lost group is enqueued once more under a new
-uid; a prompt lost or failed twice is replaced by the next prompt of the data, with an error in
-the log naming the group and the dead-letter reason.
-
-Why "nothing left" is safe to read from two streams one after the other: a sampler adds a task's
-trajectories to the trajectory stream before it acks (deletes) the task, so once the prompt
-stream is empty, every finished task's trajectories are in the trajectory stream, unread or read
-by the collector. The condition must hold on ``quiet_checks`` checks in a row.
-"""
+docs/reliability.md#lost-groups"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Learning-rate schedules, verl's: linear warmup, then constant or cosine.
 
-The scheduler steps once per training step (verl's ``update_actor``/``update_critic`` call
-``lr_scheduler.step()`` once per PPO step, after all mini-batches), so ``total_training_steps``
-and the warmup are counted in PPO steps.
-"""
+docs/internals.md#rlmeshlearnerschedule"""
 
 from __future__ import annotations
 

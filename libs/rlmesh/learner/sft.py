@@ -1,16 +1,6 @@
-"""Supervised warm-up: teach a model the answer format before RL (plain torch, one process).
+"""Supervised warm-up (``rlmesh sft``): teach a model the answer format before RL.
 
-    rlmesh sft --model DIR --data PARQUET --out DIR [--epochs 3] [--lr 1e-4] [--batch-size 16] [--seed 0]
-
-reads a verl-layout Parquet with :class:`rlmesh.data.RLHFDataset` (chat template applied, as the
-RL prompts are), takes ``format_arithmetic_solution(ground_truth) + eos`` as the target of every
-``arithmetic`` row, trains with the loss on target tokens only and saves an HF directory (weights,
-config, tokenizer). Deterministic given the seed.
-
-With ``--dev PARQUET --stop-at ACC`` it checks greedy accuracy on that held-out split every
-``--eval-every`` steps and stops as soon as it reaches ``ACC``: the outcome of the warm-up is then
-a band of accuracy, not a number of epochs whose result depends on the machine's numerics.
-"""
+docs/train.md#rlmesh-sft"""
 
 from __future__ import annotations
 

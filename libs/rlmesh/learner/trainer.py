@@ -1,17 +1,6 @@
 """PPOTrainer: verl's PPO update (actor + critic) under DeepSpeed ZeRO, as a library.
 
-One :meth:`PPOTrainer.train_step` is the body of verl's ``RayPPOTrainer.fit`` after generation
-and reward: old log-probs by the actor, values by the critic, KL in the reward (or as a loss in
-the actor), rollout importance-sampling correction, advantages, then the critic's and the actor's
-updates (``ppo_epochs`` over mini-batches, micro-batch gradient accumulation, gradient clipping,
-one optimizer step per mini-batch, one lr-scheduler step per training step).
-
-Data parallelism: every rank calls every method with the same full batch. A global mini-batch is
-the same samples whatever the number of ranks; each rank computes a contiguous share and every
-micro-batch loss is normalised by the global mini-batch's token (or sequence) count, so that after
-DeepSpeed averages gradients over the ranks the update is the gradient of the global mini-batch
-loss (verl's global token normalisation): N ranks give the update of 1 rank.
-"""
+docs/design.md#one-ppo-step-as-data and docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 
