@@ -1,14 +1,6 @@
-"""Starting or attaching the rollout replica's inference engine.
+"""Starting or attaching the rollout replica's inference engine: the embedded one or SGLang.
 
-- ``embedded``: ``rlmesh engine`` as a child process on a free port (CPU, HF transformers).
-- ``sglang``: attach to ``actor_rollout_ref.rollout.sglang.url``, or launch
-  ``python -m sglang.launch_server`` with flags from the config and wait for /health_generate.
-
-Either way the replica holds an ``EngineClient``: everything after start-up is the same code.
-``RunningEngine.weight_sync_ranks`` is how many ranks the engine brings to a weight-update group:
-SGLang joins every tensor-parallel worker, as rank ``rank_offset + tp_rank``, so the group's world
-size is 1 (the trainer) + the server's ``tp_size``.
-"""
+docs/design.md#engines"""
 
 from __future__ import annotations
 

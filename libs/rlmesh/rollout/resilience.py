@@ -1,9 +1,6 @@
 """Retries with backoff and a circuit breaker for calls to reward and reference services.
 
-A dependency outage stalls work, it never drops it: ``call_until_ok`` retries until the call
-succeeds or the caller stops. The breaker keeps a failing service from being hammered: after
-``failures`` consecutive failures it opens, calls wait ``reset_s``, then one trial call decides.
-"""
+docs/reliability.md#calls-between-services"""
 
 from __future__ import annotations
 

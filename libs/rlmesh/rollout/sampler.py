@@ -1,16 +1,6 @@
 """The sampler loop of a rollout replica: prompt tasks in, scored trajectories out.
 
-For each claimed ``PromptTask`` it generates ``n`` samples with the engine (SGLang's API), asks
-the reward and reference services for all of them at once (concurrently, retried until they
-answer), publishes one ``Trajectory`` per sample and only then acks the task. Several tasks are
-in flight at once, so generation of later tasks goes on while earlier ones wait for scores. A
-task still being worked on is touched regularly so no other replica reclaims it; a task whose
-replica dies is reclaimed by another one after ``claim_idle_ms``.
-
-``pause`` (and ``drain``) is a guarantee, not a hint: when it returns, no claim is in progress — one
-blocked waiting for tasks is woken, with nothing — and none starts until ``resume``. Tasks a claim
-got before that are in flight like any other, and finish.
-"""
+docs/design.md#rollout-replica"""
 
 from __future__ import annotations
 
