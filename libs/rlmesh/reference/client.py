@@ -1,9 +1,6 @@
-"""``ReferenceClient``: how rollout replicas call the reference service (round-robin over the
-configured addresses, a deadline per attempt, retries on UNAVAILABLE/DEADLINE_EXCEEDED)::
+"""``ReferenceClient``: how rollout replicas call the reference service.
 
-    async with ReferenceClient.from_config(cfg) as ref:
-        results = await ref.log_probs(samples)     # list[LogProbsResult], one per sample, in order
-"""
+docs/internals.md#rlmeshreferenceclient"""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Reference log-probs: log p_ref(response_t | prompt, response_<t) for each response token, computed
-in token-budgeted micro-batches (``plan_micro_batches``), right-padded, under ``torch.no_grad``.
+"""Reference log-probs of each response token, in token-budgeted micro-batches, without gradients.
 
-Each sample's result equals a forward pass over that sample alone (within 1e-5 in fp32 on CPU):
-right padding never changes the logits of the real tokens under causal attention. Logits are divided
-by ``temperature`` first, as verl's reference worker does with the rollout temperature.
-"""
+docs/internals.md#rlmeshreferencecompute"""
 
 from __future__ import annotations
 

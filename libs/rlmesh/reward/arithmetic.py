@@ -1,10 +1,6 @@
 """Reward of the synthetic arithmetic task (``rlmesh.data.arithmetic``, data_source ``arithmetic``).
 
-The answer is read as verl's strict GSM8K extraction reads it (the last ``#### <number>`` within the
-last 300 characters, commas removed) and compared to the ground truth as an integer, so ``#### 033``
-and ``#### 33`` both match ``33``. 1.0 when right, else 0.0; ``format`` tells whether an answer was
-given at all.
-"""
+docs/internals.md#rlmeshrewardarithmetic"""
 
 from __future__ import annotations
 

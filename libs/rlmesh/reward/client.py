@@ -1,12 +1,6 @@
 """``RewardClient``: how rollout replicas (and anyone else) call the reward service.
 
-Addresses come from a list or from an ``AddressSource``; ``RewardClient.from_config`` with a Redis
-client reads the run's ``reward_addresses`` key at each call (cached ≤ 0.5 s) and falls back to
-``rlmesh.reward.addresses``, so the reward service can be swapped while a run goes on::
-
-    async with RewardClient.from_config(cfg, redis=redis) as reward:
-        results = await reward.score(samples)        # list[RewardResult], one per sample, in order
-"""
+docs/internals.md#rlmeshrewardclient"""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """GSM8K rule reward, scored exactly as verl's ``verl/utils/reward_score/gsm8k.py``.
 
-Only the last 300 characters of the response are searched. ``strict``: the last ``#### <number>``
-(digits, ``.``, ``,``, an optional leading ``-``) with commas and ``$`` removed. ``flexible``: the last
-number-looking run anywhere in that tail that is not ``""`` or ``"."`` (commas kept, as verl does).
-The extracted string must equal the ground truth exactly: ``score`` when it does, ``format_score``
-when an answer was found but differs, 0 when none was found.
-"""
+docs/internals.md#rlmeshrewardgsm8k"""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """DAPO math reward, with the semantics of verl's ``verl/utils/reward_score/math_dapo.py``.
 
-Only the last 300 characters count. By default (Minerva) the answer is the last ``Answer: ...`` line;
-with ``strict_box_verify`` it is the last ``\\boxed{...}`` within the last 100 characters, compared
-unnormalised. Minerva answers and the ground truth are normalised (units and filler words removed,
-``\\text{}``/``\\boxed{}`` unwrapped, ``\\fracab`` → ``\\frac{a}{b}``, thousands commas dropped).
-Returns ``{"score": 1.0 or -1.0, "acc": bool, "pred": str}``.
-"""
+docs/internals.md#rlmeshrewardmath_dapo"""
 
 from __future__ import annotations
 

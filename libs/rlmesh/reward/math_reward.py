@@ -1,12 +1,6 @@
-"""MATH (Hendrycks) rule reward, with the semantics of verl's ``verl/utils/reward_score/math_reward.py``
-(itself the lm-evaluation-harness normalisation).
+"""MATH (Hendrycks) rule reward, with the semantics of verl's ``verl/utils/reward_score/math_reward.py``.
 
-The answer is the content of the last ``\\boxed{...}`` (or ``\\boxed x``) in the response; it and the
-ground truth are normalised (``\\dfrac``/``\\tfrac`` → ``\\frac``, ``\\frac12`` → ``\\frac{1}{2}``,
-``a/b`` → ``\\frac{a}{b}``, ``0.5`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}``, units after
-``\\text{ ``, ``\\left``/``\\right``, degrees, ``\\$``, ``\\%``, spaces, a short ``x =`` prefix, a leading
-``.``) and compared as strings: 1.0 when equal, else 0.0. Malformed boxes score 0.0.
-"""
+docs/internals.md#rlmeshrewardmath_reward"""
 
 from __future__ import annotations
 
