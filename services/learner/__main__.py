@@ -1,3 +1,5 @@
+"""``python -m rlmesh_services.learner``: the learner service's ``main``."""
+
 import sys
 
 from rlmesh_services.learner.main import main

@@ -1,10 +1,6 @@
 """Tiny random-init causal LMs for CPU tests and the demo.
 
-    python -m rlmesh.models.tiny --out DIR [--arch qwen2|llama] [--hidden-size 128] ...
-
-writes DIR/{config.json, generation_config.json, model.safetensors, tokenizer files}, loadable with
-``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``.
-"""
+docs/internals.md#rlmeshmodelstiny"""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """A character-level tokenizer built from a fixed local vocabulary (no hub, no training).
 
-One token per character: a WordLevel model over printable ASCII + newline, a pre-tokenizer that
-isolates every character, and a Fuse decoder that concatenates tokens with nothing in between, so
-encode -> decode gives back exactly the original text, spaces and newlines included. A character
-outside the vocabulary becomes ``<|unk|>`` (the only lossy case).
-
-Ids are fixed by construction: ``"\\n"`` is 0, ``chr(32)..chr(126)`` are 1..95, then the special
-tokens in SPECIAL_TOKENS order (``<|endoftext|>`` = 96, ``<|im_start|>`` = 97, ``<|im_end|>`` = 98,
-``<|unk|>`` = 99).
-"""
+docs/internals.md#rlmeshmodelstokenizer"""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A gRPC caller over replicas: round-robin over the addresses a source gives at each call, a
-deadline per attempt, retries with backoff against the next address on UNAVAILABLE and
-DEADLINE_EXCEEDED, and the bearer token on every call. ``RewardClient`` and ``ReferenceClient`` are
-thin typed wrappers over it."""
+"""A gRPC caller over replicas: round-robin, a deadline per attempt, retries against the next
+address, the bearer token on every call. docs/reliability.md#calls-between-services"""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """When a service is doing model compute, as wall-clock intervals that can be merged across processes.
 
-A service wraps each model computation in ``with tracker.busy():``; calls may overlap (several
-threads, concurrent requests): the service counts as busy while at least one is in flight, so
-``busy_s`` is the union of those periods, never their sum. ``intervals()`` lists the busy periods
-in ``time.time()`` seconds, so a benchmark can merge the intervals of several processes with
-``union_seconds`` and get the wall time during which any of them computed::
-
-    tracker = BusyTracker()
-    with tracker.busy():
-        logits = model(...)
-    tracker.busy_s                                  # seconds with >= 1 computation in flight
-    union_seconds([tracker.intervals(), other], t0, t1)
-"""
+docs/internals.md#rlmeshruntimebusy"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """``service_main``: the one entry point every service's ``main`` delegates to.
 
-It parses ``--config FILE``, ``--ready-file PATH`` and verl-style dotted overrides, validates the
-config (exit 2 with the problems on stderr), sets up logging, builds the service's servicers on
-a ``GrpcService`` configured from ``rlmesh.<service>``, and serves until SIGTERM (exit 0).
-"""
+docs/design.md#the-processes"""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Process launcher: a private redis-server and rlmesh services as child processes.
+"""Process launcher: a private redis-server and rlmesh services as child processes, never orphaned.
 
-Every child runs in its own process group and gets SIGTERM if the launcher dies (Linux
-``PR_SET_PDEATHSIG``), so a crashed or SIGKILLed launcher leaves no orphan. ``stop_all`` (also
-run on exit from the ``with`` block, on Ctrl-C and on error) sends SIGTERM to each group in
-reverse start order, waits up to the grace period, then SIGKILLs what is left.
-"""
+docs/reliability.md#guards-that-keep-a-long-run-bounded"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Prometheus metrics for every service: per-RPC counts, errors, latency and in-flight calls.
 
-Each service owns a ``CollectorRegistry`` (not prometheus_client's global one), so several
-servers can live in one process (tests) without clashing; a service registers its own metrics
-into the same registry and they appear on the same ``/metrics`` page.
-"""
+docs/design.md#the-processes"""
 
 from __future__ import annotations
 

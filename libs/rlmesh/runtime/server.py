@@ -1,11 +1,5 @@
-"""The gRPC service runtime every rlmesh service stands on.
-
-A ``GrpcService`` is an asyncio gRPC server with: the grpc.health.v1 health service, server
-reflection, an optional bearer-token interceptor, Prometheus metrics on ``/metrics`` over HTTP,
-and graceful shutdown — on SIGTERM or SIGINT it reports NOT_SERVING, stops accepting calls,
-lets in-flight calls finish within ``shutdown_grace_s``, runs the service's shutdown hooks and
-returns, so the process exits 0.
-"""
+"""The gRPC service runtime every rlmesh service stands on: health, reflection, auth, metrics and a
+graceful shutdown. docs/design.md#the-processes"""
 
 from __future__ import annotations
 

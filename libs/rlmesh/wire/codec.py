@@ -1,10 +1,6 @@
 """Tensor <-> ``rlmesh.v1.Tensor`` codec: raw little-endian bytes, no per-element Python loops.
 
-Encoding copies once (protobuf ``bytes`` must own its data). Decoding to numpy is zero-copy by
-default (a read-only view of the message's bytes); decoding to torch copies unless ``copy=False``
-is asked for, because torch cannot mark a tensor read-only and a write through a view of an
-immutable ``bytes`` object would corrupt it.
-"""
+docs/internals.md#rlmeshwirecodec"""
 
 from __future__ import annotations
 

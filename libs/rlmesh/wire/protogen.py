@@ -1,9 +1,6 @@
 """Generates the Python gRPC code in ``libs/rlmesh/v1`` from ``protos/rlmesh/v1``.
 
-``make protos`` runs this; a test runs it into a temporary folder and fails when the committed
-stubs differ, so the stubs are never edited by hand or left stale. grpcio-tools is pinned in
-pyproject.toml because its version is written into the generated files.
-"""
+``make protos`` runs this; docs/design.md#where-code-lives"""
 
 from __future__ import annotations
 
