@@ -22,12 +22,6 @@ PENDING: set[str] = {
     "libs/rlmesh/engine/runner.py",
     "libs/rlmesh/engine/sampling.py",
     "libs/rlmesh/engine/weight_updates.py",
-    "libs/rlmesh/learner/weight_buckets.py",
-    "libs/rlmesh/learner/weight_links.py",
-    "libs/rlmesh/learner/weight_payload.py",
-    "libs/rlmesh/learner/weight_push.py",
-    "libs/rlmesh/weights/bucket.py",
-    "libs/rlmesh/weights/group.py",
 }
 
 # docs/<page>.md, optionally with #anchor, not inside a longer path or a URL.

@@ -1,15 +1,5 @@
-"""Full, HF-named actor weights for a push or an export, bucket by bucket.
-
-Names are those of the plain transformers model an inference engine loaded
-(``model.layers.0.self_attn.q_proj.weight``): peft's ``base_model.model.`` prefix and its
-``.base_layer`` infix are gone, adapter tensors are merged into their base weight
-(``W + B·A·scaling``, peft's ``merge``) and not sent themselves. Tied weights go once, under the
-name ``named_parameters()`` gives them.
-
-Under ZeRO-3 every rank must iterate (each bucket is an all-gather of its parameters); the
-tensors are materialised on rank 0 only, one bucket at a time, so no rank ever holds two full
-copies of the model.
-"""
+"""Full, HF-named actor weights for a push or an export, bucket by bucket (LoRA merged, ZeRO-3
+gathered on rank 0). docs/design.md#buckets-groups-and-names"""
 
 from __future__ import annotations
 

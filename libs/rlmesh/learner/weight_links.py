@@ -1,7 +1,5 @@
-"""The pusher's engine links: one weight group per engine, built, kept across pushes and dropped.
-
-One group per engine, so a replica that dies mid-push breaks only its own group (docs/sglang.md).
-"""
+"""The pusher's engine links: one weight group per engine, built, kept across pushes and dropped,
+so a replica that dies mid-push breaks only its own group (docs/sglang.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A push's tensors cut into buckets, and each bucket packed into what its broadcast sends.
-
-The wire layout is ``rlmesh.weights.bucket``'s; this module decides order, copies and buffer reuse.
-"""
+"""A push's tensors cut into buckets, and each bucket packed into what its broadcast sends; the wire
+layout is ``rlmesh.weights.bucket``'s, this module decides order, copies and buffer reuse."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The trainer's side of weight sync: push named tensors to engines over torch.distributed.
-
-A push is SGLang's update cycle (docs/sglang.md) around the buckets; helpers live in ``weight_*``.
-"""
+"""The trainer's side of weight sync: push named tensors to engines over torch.distributed, in
+SGLang's update cycle (docs/sglang.md); the helpers live in ``weight_*``."""
 
 from __future__ import annotations
 

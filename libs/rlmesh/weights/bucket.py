@@ -1,15 +1,5 @@
-"""How a bucket of tensors travels in one broadcast: SGLang's ``load_format="flattened_bucket"``.
-
-The sender copies every tensor's bytes, in the order of the update call's ``names``, with no
-padding, into one contiguous uint8 tensor and broadcasts that; the receiver allocates the same
-number of bytes from ``dtypes`` and ``shapes``, receives them, and cuts them back into tensors by
-``.view(dtype).view(shape)``. Dtypes may be mixed: it is bytes. Without ``load_format`` (older
-SGLang) every tensor is its own broadcast.
-
-CPU buffers here can be reused from one push to the next (``out=``): on a CPU host a fresh
-buffer of hundreds of MB costs a page fault per 4 KiB on first touch — often more than the
-copy itself. (On GPU torch's caching allocator gives this reuse for free.)
-"""
+"""How a bucket of tensors travels in one broadcast: SGLang's ``load_format="flattened_bucket"``,
+with CPU buffers reused between pushes. docs/design.md#buckets-groups-and-names"""
 
 from __future__ import annotations
 

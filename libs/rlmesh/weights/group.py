@@ -1,10 +1,5 @@
-"""A torch.distributed process group built the way SGLang builds its weight-update group.
-
-``torch.distributed.init_process_group`` would use other store keys (and a global default
-group), so the trainer could never meet an SGLang server in it. Both ends here: TCP rendezvous at
-``tcp://master:port`` (rank 0 hosts the store), the store wrapped in ``PrefixStore(group_name)``,
-then ``_new_process_group_helper``; no default group is needed in either process.
-"""
+"""A torch.distributed process group built the way SGLang builds its weight-update group, so the
+trainer and an SGLang server meet in it. docs/design.md#buckets-groups-and-names"""
 
 from __future__ import annotations
 
