@@ -4,14 +4,13 @@ Settings are the ``rlmesh.reference.*`` config keys; a model that does not load 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.reference.loading import ReferenceLoadError, load_reference_model
 from rlmesh.reference.servicer import SERVICE_NAME, ReferenceServicer
-from rlmesh.runtime.entry import service_main
+from rlmesh.runtime.entry import CannotStart, service_main
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import reference_pb2_grpc
 
@@ -20,16 +19,12 @@ DESCRIPTION = (
     "rlmesh.reference.max_tokens=8192 rlmesh.reference.device=cuda rlmesh.reference.dtype=bfloat16."
 )
 
-log = logging.getLogger("rlmesh.reference")
-
 
 async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
     try:
         model = await asyncio.to_thread(load_reference_model, cfg)
     except ReferenceLoadError as e:
-        log.error("cannot start: %s", e)
-        print(f"rlmesh reference: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise CannotStart(str(e)) from e
     servicer = ReferenceServicer.from_config(cfg, model, service.registry)
     service.add_servicer(reference_pb2_grpc.add_ReferenceServicer_to_server, servicer, SERVICE_NAME)
 

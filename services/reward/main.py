@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from rlmesh.config import RLMeshConfig
 from rlmesh.reward import RewardFunctionLoadError, RewardScorer
 from rlmesh.reward.servicer import SERVICE_NAME, RewardServicer
-from rlmesh.runtime.entry import service_main
+from rlmesh.runtime.entry import CannotStart, service_main
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import reward_pb2_grpc
 
@@ -27,9 +27,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
     try:
         scorer = await asyncio.to_thread(RewardScorer.from_config, cfg, registry=service.registry)
     except RewardFunctionLoadError as e:
-        log.error("cannot start: %s", e)
-        print(f"rlmesh reward: cannot load the reward function: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise CannotStart(f"cannot load the reward function: {e}") from e
     log.info(
         "reward functions ready",
         extra={"functions": scorer.functions(), "max_batch_size": scorer.max_batch_size},

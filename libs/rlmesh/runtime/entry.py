@@ -20,6 +20,11 @@ BuildService = Callable[[GrpcService, RLMeshConfig], Awaitable[None]]
 log = logging.getLogger("rlmesh.runtime")
 
 
+class CannotStart(Exception):
+    """Raised by a service's build when what it serves cannot be made (a model or function that
+    does not load): the service exits 2 with the message, like an invalid config."""
+
+
 def limit_torch_threads() -> None:
     """One intra-op thread unless OMP_NUM_THREADS says otherwise: on small CPU machines torch's
     default oversubscribes the cores and a step runs an order of magnitude slower."""
@@ -67,6 +72,10 @@ def service_main(
 
     try:
         return asyncio.run(run())
+    except CannotStart as e:
+        log.error("cannot start: %s", e)
+        print(f"rlmesh {name}: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception:
         log.exception("service failed")
         return 1
