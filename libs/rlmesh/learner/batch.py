@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlmesh.algo import place_scores_on_last_token
+from rlmesh.algo import compute_data_metrics, place_scores_on_last_token
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
-__all__ = ["BatchError", "PPOBatch", "build_batch", "compute_position_ids", "validate_trajectory"]
+__all__ = [
+    "BatchError",
+    "PPOBatch",
+    "batch_metrics",
+    "build_batch",
+    "compute_position_ids",
+    "validate_trajectory",
+]
 
 
 class BatchError(ValueError):
@@ -224,3 +231,34 @@ def build_batch(
         policy_versions=np.array([t.policy_version for t in trajectories], dtype=np.int64),
         data_sources=[t.data_source for t in trajectories],
     )
+
+
+def batch_metrics(
+    batch: PPOBatch,
+    token_level_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor | None,
+    max_response_length: int,
+) -> dict[str, float]:
+    """``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``,
+    ``{response,prompt}_length/{mean,max,min}`` and ``response_length/clip_ratio`` (the share of
+    responses that reached ``max_response_length``).
+
+    A sequence's score (reward) is the sum of its token-level scores (rewards), as in verl.
+    """
+    mask = batch.response_mask
+    metrics = compute_data_metrics(advantages, returns, mask, values)
+    response_length = mask.sum(dim=-1).float()
+    prompt_length = batch.attention_mask[:, : batch.prompt_length].sum(dim=-1).float()
+    for key, x in (
+        ("critic/score", batch.token_level_scores.sum(dim=-1)),
+        ("critic/rewards", token_level_rewards.sum(dim=-1)),
+        ("response_length", response_length),
+        ("prompt_length", prompt_length),
+    ):
+        metrics[f"{key}/mean"] = x.mean().item()
+        metrics[f"{key}/max"] = x.max().item()
+        metrics[f"{key}/min"] = x.min().item()
+    metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
+    return metrics

@@ -26,13 +26,12 @@ from rlmesh.config import RLMeshConfig, dump_yaml
 from rlmesh.config.secrets import redact_url
 from rlmesh.learner import checkpoint
 from rlmesh.learner.actor import DeepSpeedPPOActor
-from rlmesh.learner.batch import BatchError, PPOBatch
+from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics
 from rlmesh.learner.critic import DeepSpeedPPOCritic
 from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
 from rlmesh.learner.forward import greedy_generate
 from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.metrics import batch_metrics
 from rlmesh.learner.models import hf_model, load_actor_model, load_critic_model
 from rlmesh.learner.schedule import build_lr_scheduler, set_base_lr
 from rlmesh.learner.weight_buckets import iter_weight_buckets
