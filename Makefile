@@ -93,7 +93,7 @@ bench-queue: venv redis-server
 bench-rollout: venv
 	$(BIN)/python benchmarks/bench_rollout.py
 
-bench-score: venv
+bench-score: venv redis-server
 	$(BIN)/python benchmarks/bench_score.py
 
 bench-learner: venv

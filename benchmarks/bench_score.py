@@ -23,6 +23,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from rlmesh.job.stack import start_stack
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.reference import ReferenceClient
 from rlmesh.reward import RewardClient, RewardScorer
@@ -146,18 +147,12 @@ def main() -> int:
             max_position_embeddings=max(1024, args.prompt_len + args.response_len),
         )
         print("starting the reward and reference services", flush=True)
-        reward = launcher.start_service(
-            "reward", overrides=["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
-        )
-        reference = launcher.start_service(
-            "reference",
-            overrides=[
-                "rlmesh.reference.port=0",
-                "rlmesh.reference.metrics_port=0",
-                f"actor_rollout_ref.model.path={model_dir}",
-                f"rlmesh.reference.max_tokens={args.max_tokens}",
-            ],
-        )
+        overrides = [
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"rlmesh.reference.max_tokens={args.max_tokens}",
+        ]
+        stack = start_stack(launcher, None, overrides, services=("reward", "reference"))
+        reward, reference = stack.get("reward"), stack.get("reference")
         print(f"reward at {reward.grpc_address}, reference at {reference.grpc_address}", flush=True)
         rows = asyncio.run(bench(reward.grpc_address, reference.grpc_address, args))
 
