@@ -54,7 +54,7 @@ demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos" --durations=25
 
 # The chaos suite (whole jobs through kill -9 of every process and a network partition, about 10
 # minutes; not part of `make test`), printing how long each recovery took.
