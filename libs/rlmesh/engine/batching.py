@@ -1,11 +1,5 @@
-"""Continuous batching for HF causal LMs on CPU: the embedded engine's core.
-
-One thread owns the model. Each iteration it admits waiting sequences (one prefill for all of
-them; sequences with the same prompt share it), decodes one token for every running sequence,
-and drops finished sequences from the batch at once, so a long generation never holds a short
-one back and newcomers join mid-flight. The KV cache and forward passes live in a runner
-(``runner.py``); sampling is batched (``sampling.py``).
-"""
+"""Continuous batching for HF causal LMs on CPU, the embedded engine's core: one thread owns the
+model and admits, decodes and drops sequences every step. docs/internals.md#rlmeshenginebatching"""
 
 from __future__ import annotations
 

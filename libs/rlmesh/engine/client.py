@@ -1,15 +1,5 @@
-"""One async client for SGLang's native HTTP API, for a real SGLang server and the embedded
-engine alike. Every call has a deadline; every failure names the engine's URL and the endpoint.
-
-Version differences are probed, not configured (each probe is remembered per client):
-
-- ``/begin_weight_update`` and ``/end_weight_update`` (SGLang 0.5.21+; 0.5.23 refuses
-  ``/update_weights_from_distributed`` outside them) are called when the server has them.
-- ``/model_info`` and ``/server_info`` (SGLang 0.5.6+; the ``get_`` names are deprecated there and
-  log a warning on every call) are preferred, the ``get_`` names used where they are missing.
-- ``load_format="flattened_bucket"`` needs SGLang 0.5.6+: older servers have no such field, ignore
-  it and wait for one broadcast per tensor, so it is refused before the trainer broadcasts.
-"""
+"""One async client for SGLang's native HTTP API, for a real SGLang server and the embedded engine
+alike; version differences are probed, not configured. docs/internals.md#rlmeshengineclient"""
 
 from __future__ import annotations
 

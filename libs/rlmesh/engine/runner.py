@@ -1,19 +1,5 @@
-"""Model runners for the embedded engine: the KV cache and the forward passes of a running batch.
-
-The engine (``batching.py``) decides who runs; a runner holds the rows' KV cache and computes
-logits. Rows are numbered 0..size-1 in the order the engine keeps its sequences.
-
-- ``SlotRunner`` (Qwen2 and Llama families): a preallocated cache, one slot per row, where row
-  ``i``'s token ``t`` lives at ``[i, :, t]``. Decoding writes one column per row in place;
-  joining copies the new rows' prefill into free slots; leaving moves the last rows into the holes.
-  No cache is ever rebuilt, and a prompt sampled ``n`` times is prefilled once and its KV copied
-  (what SGLang's radix cache does for RL's n samples per prompt). It calls the HF model's own
-  modules (norms, projections, rotary embedding, MLP), so weights updated in place take effect.
-- ``HFCacheRunner``: any HF causal LM through its own forward and a ``DynamicCache`` over
-  left-padded rows; rebuilt on every join and leave. The fallback for other architectures.
-
-Both compute what the model computes for each row alone, up to float summation order.
-"""
+"""Model runners for the embedded engine: the KV cache and the forward passes of a running batch
+(``SlotRunner`` for Qwen2/Llama, ``HFCacheRunner`` for the rest). docs/internals.md#rlmeshenginerunner"""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""SGLang ``sampling_params`` for the embedded engine: parsing (unknown keys are refused as
-SGLang 0.5.22+ does), per-sequence sampling and the log-probs returned with each token.
-
-The returned log-prob of a sampled token is its log-probability under the temperature-scaled
-distribution, ``log_softmax(logits / T)``, over the whole vocabulary: after the min-new-tokens
-stop mask but before top-k/top-p/min-p truncation (:func:`token_logprobs`). That is what SGLang
-returns by default (``python/sglang/srt/layers/sampler.py`` of sglang 0.5.23: ``log(softmax(logits
-/ T))`` taken before the top-k/top-p/min-p filters, which work on a copy; the environment variable
-``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would switch to ``log_softmax(logits)``), and it is the
-distribution the learner scores the same tokens under (``softmax(logits / T)``, as verl's actor
-does; verl never truncates there either). Greedy requests (temperature 0) return
-``log_softmax(logits)``, as SGLang does and as the learner does for temperature 0; a request
-with ``top_k=1`` and a temperature is scored at that temperature (SGLang too, unless every row
-of its batch is greedy).
-"""
+"""SGLang ``sampling_params`` for the embedded engine: parsing, per-sequence sampling and the
+log-probs returned with each token, as SGLang computes them. docs/internals.md#rlmeshenginesampling"""
 
 from __future__ import annotations
 

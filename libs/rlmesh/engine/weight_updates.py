@@ -1,13 +1,5 @@
 """The embedded engine's side of weight updates: receive broadcast tensors, load from disk, read
-back by name. Every change happens between decode steps (``BatchEngine.exclusive``).
-
-The parameters live in one uint8 buffer, back to back in ``named_parameters`` order — the order
-the learner sends them in. A flattened bucket whose tensors are a run of that layout (same names,
-dtypes and shapes, in order) is received straight into the parameters: no buffer, no copy. Any
-other update is received into a buffer and copied in. A direct receive that fails midway leaves
-those parameters half written: the engine then holds generation (``tainted``) until every one of
-them has been written again by a later update.
-"""
+back by name, between decode steps. docs/internals.md#rlmeshengineweight_updates"""
 
 from __future__ import annotations
 
