@@ -1,6 +1,6 @@
 import pytest
 
-from tests.chaos.jobs import Files, make_files
+from tests.support.jobs import Files, make_files
 
 
 @pytest.fixture(scope="module")

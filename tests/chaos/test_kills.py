@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.jobs import (
-    CONFIG,
+from tests.support.jobs import (
     KILL_AT,
     RECOVERY_BOUND_S,
     STEPS,
@@ -27,7 +26,9 @@ from tests.chaos.jobs import (
     recovery_s,
     step_line,
 )
-from tests.helpers import pid_alive, wait_until
+from tests.support.polling import wait_until
+from tests.support.processes import pid_alive
+from tests.support.repo import CPU_DEMO
 
 pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 
@@ -38,7 +39,7 @@ def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]],
     supervisor must start again. The first kill comes once step KILL_AT is done; each next one
     once that service is back and the run got two steps past the kill, within RECOVERY_BOUND_S.
     Then the job must finish (exit 0) and pass the audit."""
-    job = Job.start(["-c", str(CONFIG), *overrides(files, run_dir, steps)])
+    job = Job.start(["-c", str(CPU_DEMO), *overrides(files, run_dir, steps)])
     kills = []
     try:
         job.wait_for(step_line(KILL_AT, steps), timeout_s=240)
@@ -85,7 +86,7 @@ def test_a_run_goes_on_through_kill_9_of_every_process_but_the_learner(files, tm
 @pytest.mark.timeout(600)
 def test_a_killed_learner_fails_the_job_and_the_same_command_resumes(files, tmp_path):
     run_dir = tmp_path / "run"
-    argv = ["-c", str(CONFIG), *overrides(files, run_dir, STEPS)]
+    argv = ["-c", str(CPU_DEMO), *overrides(files, run_dir, STEPS)]
     job = Job.start(argv)
     job.wait_for(step_line(KILL_AT, STEPS), timeout_s=240)
     os.kill(job.pid("learner"), signal.SIGKILL)

@@ -29,9 +29,10 @@ from rlmesh.queue import ROLLOUT_GROUP, ReplicaRegistry, RunKeys, connect
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
-from tests.chaos.jobs import CONFIG, KILL_AT, RECOVERY_BOUND_S, Files, Job, audit, overrides, step_line
-from tests.helpers import wait_until
-from tests.netproxy import PartitionableProxy
+from tests.support.jobs import KILL_AT, RECOVERY_BOUND_S, Files, Job, audit, overrides, step_line
+from tests.support.netproxy import PartitionableProxy
+from tests.support.polling import wait_until
+from tests.support.repo import CPU_DEMO
 
 pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 
@@ -75,7 +76,7 @@ def claims_held_by(redis_url: str, consumer: str) -> int:
 def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_twice(files: Files, tmp_path):
     run_dir = tmp_path / "run"
     common = [*overrides(files, run_dir, STEPS), f"rlmesh.run_id={RUN_ID}", "rlmesh.weight_sync.timeout_s=10"]
-    job = Job.start(["-c", str(CONFIG), *common, "rlmesh.rollout.replicas=1"])
+    job = Job.start(["-c", str(CPU_DEMO), *common, "rlmesh.rollout.replicas=1"])
     proxies: list[PartitionableProxy] = []
     try:
         redis_host, redis_port = job_address(job, "redis")
@@ -94,7 +95,7 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
             launcher.start_service(
                 "rollout",
                 name=OUTSIDE,
-                config_path=str(CONFIG),
+                config_path=str(CPU_DEMO),
                 overrides=[
                     *common,
                     f"rlmesh.redis_url=redis://{redis_proxy.address}/0",

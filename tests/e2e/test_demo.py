@@ -16,9 +16,9 @@ from rlmesh.data import RLHFDataset
 from rlmesh.job.demo import WARMUP_BAND
 from rlmesh.learner.sft import greedy_accuracy
 from rlmesh.models import load_tokenizer
-from tests.helpers import child_env
+from tests.support.processes import child_env
+from tests.support.repo import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 # Validation has 200 held-out problems (one point = 2 problems). The warm-up stops once dev accuracy
 # reaches the band (25%), so PPO starts there on any machine; from there 75 steps lifted it by 10,
 # 20.5 and 26 points for seeds 0, 1 and 2. A policy that does not change stays within a few points of its start; 8

@@ -30,15 +30,10 @@ from rlmesh.learner.export import export_checkpoint
 from rlmesh.queue import ROLLOUT_GROUP, RunKeys
 from rlmesh.runtime.launcher import LearnerRanks, ProcessLauncher
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
-from tests.e2e.common import (
-    CONFIG,
-    engine_url,
-    engine_weights,
-    prepare_model_and_data,
-    run_overrides,
-    start_peers,
-)
-from tests.helpers import pid_alive, wait_until
+from tests.support.polling import wait_until
+from tests.support.processes import pid_alive
+from tests.support.repo import CPU_DEMO
+from tests.support.stack import engine_url, engine_weights, prepare_model_and_data, run_overrides, start_peers
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +117,9 @@ def test_two_ranks_train_stop_together_on_sigterm_and_resume(tmp_path, prepared)
         # torchrun sends it: rank 0 gives up the wait, writes the final checkpoint with rank 1 (which
         # must outlive its own SIGTERM for that) and tells it to stop. Both exit 0.
         first = launcher.start_learner(
-            RANKS, config_path=CONFIG, overrides=[*peers.learner_overrides, "trainer.total_training_steps=50"]
+            RANKS,
+            config_path=CPU_DEMO,
+            overrides=[*peers.learner_overrides, "trainer.total_training_steps=50"],
         )
         wait_until(
             lambda: learner_status(first.rank0.grpc_address).step >= 2, 240, "two steps of the 2-rank learner"
@@ -159,7 +156,7 @@ def test_two_ranks_train_stop_together_on_sigterm_and_resume(tmp_path, prepared)
         second = launcher.start_learner(
             RANKS,
             name="learner2",
-            config_path=CONFIG,
+            config_path=CPU_DEMO,
             overrides=[*peers.learner_overrides, f"trainer.total_training_steps={k + 1}"],
         )
         assert wait_exit(second, 240) == [0, 0], second.rank0.process.log_tail(30)
@@ -198,7 +195,7 @@ def test_rank_0_started_alone_runs_its_ranks_stops_them_and_rank_1_exits_when_ra
         # Without a launcher, rlmesh.learner.ranks=2: the process started is rank 0 and starts
         # rank 1 as its child. SIGTERM to rank 0 alone: it tells rank 1 to stop and waits for it.
         rank0 = launcher.start_service(
-            "learner", config_path=CONFIG, overrides=[*overrides, f"rlmesh.learner.ranks={RANKS}"]
+            "learner", config_path=CPU_DEMO, overrides=[*overrides, f"rlmesh.learner.ranks={RANKS}"]
         )
         waiting_for_replicas(rank0.grpc_address, "learner")
         (follower,) = psutil.Process(rank0.process.pid).children()
@@ -212,7 +209,7 @@ def test_rank_0_started_alone_runs_its_ranks_stops_them_and_rank_1_exits_when_ra
 
         # Under a launcher's environment (torchrun's), SIGKILL to rank 0: it can say nothing; rank 1
         # must notice by itself, and exit 1.
-        group = launcher.start_learner(RANKS, name="learner2", config_path=CONFIG, overrides=overrides)
+        group = launcher.start_learner(RANKS, name="learner2", config_path=CPU_DEMO, overrides=overrides)
         waiting_for_replicas(group.rank0.grpc_address, "learner2")
         group.rank0.process.popen.send_signal(signal.SIGKILL)
         follower = group.followers[0]

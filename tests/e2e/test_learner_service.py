@@ -15,8 +15,10 @@ from transformers import AutoModelForCausalLM
 from rlmesh.learner import latest_checkpoint
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from tests.e2e.common import CONFIG, REPO, engine_url, prepare_model_and_data, start_peers
-from tests.helpers import child_env, wait_until
+from tests.support.polling import wait_until
+from tests.support.processes import child_env
+from tests.support.repo import CPU_DEMO, REPO
+from tests.support.stack import engine_url, prepare_model_and_data, start_peers
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def prepared(tmp_path_factory):
 def start_stack(launcher, prepared, run_dir, extra):
     peers = start_peers(launcher, prepared, run_dir, extra)
     learner = launcher.start_service(
-        "learner", config_path=CONFIG, timeout_s=300, overrides=peers.learner_overrides
+        "learner", config_path=CPU_DEMO, timeout_s=300, overrides=peers.learner_overrides
     )
     learner.rollout_address = peers.rollout.grpc_address
     return learner, peers.common
@@ -86,7 +88,7 @@ def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepa
                 "--out",
                 str(export),
                 "--config",
-                str(CONFIG),
+                str(CPU_DEMO),
                 *common,
             ],
             capture_output=True,
@@ -182,7 +184,7 @@ def fuzz_the_learner_service(channel: grpc.Channel) -> None:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from tests.fuzz.protostrategies import FUZZ, build, message_dicts, names_in
+    from tests.support.protostrategies import FUZZ, build, message_dicts, names_in
 
     methods = {
         "/rlmesh.v1.Learner/UpdateHyperparams": learner_pb2.UpdateHyperparamsRequest,

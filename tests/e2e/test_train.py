@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.helpers import child_env
+from tests.support.processes import child_env
+from tests.support.repo import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SPECIALS = ["<pad>", "<unk>", "<eos>"]
 DIGITS = [str(d) for d in range(10)]
 PROMPT_WORDS = ["say", "please", "repeat", "the", "number", "word", "now"]
@@ -434,7 +434,7 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path)
     import signal
 
     from rlmesh.learner import latest_checkpoint
-    from tests.helpers import pid_alive
+    from tests.support.processes import pid_alive
 
     run_dir = tmp_path / "interrupted"
     argv = [sys.executable, "-m", "rlmesh.cli", "train", "-c", str(user.config)]

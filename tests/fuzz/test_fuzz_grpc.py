@@ -24,7 +24,7 @@ from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
-from tests.fuzz.protostrategies import FUZZ, build, message_dicts, names_in
+from tests.support.protostrategies import FUZZ, build, message_dicts, names_in
 
 RUN = f"fuzz-{uuid.uuid4().hex[:6]}"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo.common import REPO, markdown_files, top_level_dirs
+from tests.support.repo import REPO, markdown_files, top_level_dirs
 
 # A path into the tree: it starts with a top-level folder and is not part of a URL or a longer path.
 # It ends where a placeholder (<name>, *, {...}) or anything else that is not a path character begins.

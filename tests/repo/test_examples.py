@@ -7,7 +7,7 @@ import pytest
 
 from rlmesh.config import load_config
 from rlmesh.job import demo
-from tests.repo.common import REPO
+from tests.support.repo import REPO
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 

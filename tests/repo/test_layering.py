@@ -3,7 +3,7 @@ another one (services talk over gRPC and Redis). Imports inside functions count 
 
 from __future__ import annotations
 
-from tests.repo.common import REPO, imported_modules, package_of, python_files, subdirs
+from tests.support.repo import REPO, imported_modules, package_of, python_files, subdirs
 
 
 def test_the_library_never_imports_services():

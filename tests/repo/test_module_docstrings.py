@@ -9,20 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo.common import LIBRARY, REPO, python_files, split_fenced
+from tests.support.repo import LIBRARY, REPO, python_files, split_fenced
 
 MAX_LINES = 3
 GENERATED = LIBRARY / "v1"
-
-# Modules whose owners are still moving their docstrings' detail into docs/: the length check skips
-# them. To be emptied; a path leaves this set as soon as its docstring is short.
-PENDING: set[str] = {
-    "libs/rlmesh/engine/batching.py",
-    "libs/rlmesh/engine/client.py",
-    "libs/rlmesh/engine/runner.py",
-    "libs/rlmesh/engine/sampling.py",
-    "libs/rlmesh/engine/weight_updates.py",
-}
 
 # docs/<page>.md, optionally with #anchor, not inside a longer path or a URL.
 POINTER = re.compile(r"(?<![\w./-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
@@ -76,8 +66,6 @@ def test_module_docstrings_are_at_most_three_lines():
     offenders = []
     for path in source_files():
         where = rel(path)
-        if where in PENDING:
-            continue
         found = module_docstring(path)
         if found is None:
             if path.name != "__init__.py":

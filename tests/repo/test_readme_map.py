@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.repo.common import (
+from tests.support.repo import (
     REPO,
     library_packages,
     markdown_files,

@@ -1,4 +1,4 @@
-"""What the chaos tests share: a small job's files and settings, ``rlmesh train`` as a subprocess
+"""The chaos tests' jobs: a small job's files and settings, ``rlmesh train`` as a subprocess
 whose output a test waits on, and the audit of what the learner trained on.
 
 The audit reads the learner's own record (``trained_groups.jsonl``: the groups and dataset indices
@@ -23,10 +23,9 @@ from pathlib import Path
 from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
-from tests.helpers import child_env
+from tests.support.processes import child_env
+from tests.support.repo import CPU_DEMO, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "cpu_demo.yaml"
 STEPS = 10
 KILL_AT = 3  # the kill comes once this step is done (or a later one: lines come per poll)
 RECOVERY_BOUND_S = 90  # per failure, with the scaled-down settings below
@@ -190,7 +189,7 @@ def engine_of(replica_pid: int) -> int:
 
 def planned_prompts(files: Files, run_dir: Path, steps: int) -> dict[int, list[int]]:
     """Dataset indices of every step's prompts, as the learner's data cursor draws them."""
-    cfg = load_config(str(CONFIG), overrides(files, run_dir, steps))
+    cfg = load_config(str(CPU_DEMO), overrides(files, run_dir, steps))
     dataset = RLHFDataset.from_config(cfg.data, load_tokenizer(files.model), split="train")
     sampler = PromptCursor.from_config(cfg.data, dataset)
     return {s: [dataset[i].index for i in sampler.next_indices(BATCH)] for s in range(1, steps + 1)}

@@ -1,4 +1,5 @@
-"""Shared pieces of the learner tests: a tiny model, configs and synthetic trajectories."""
+"""The learner tests' cases: a tiny model, configs, synthetic trajectories, and the ZeRO and
+checkpoint cases that tests and the programs they start both run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What the repository tests read: the tree as a fresh clone has it, and the Markdown it documents
-itself with."""
+"""The repository's own files as the tests read them: where the tree is, the tree as a fresh clone
+has it, the Markdown it documents itself with, and the imports of its Python files."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "libs" / "rlmesh"
+CPU_DEMO = REPO / "examples" / "cpu_demo.yaml"  # the demo's config, as a user runs it
 SKIPPED_DIRS = {"__pycache__"}
 
 

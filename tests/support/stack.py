@@ -1,5 +1,5 @@
-"""Shared pieces of the end-to-end learner tests: a warmed-up tiny model with its data, and the
-real services around a learner (Redis, reward, reference, one rollout replica)."""
+"""The end-to-end learner tests' stack: a warmed-up tiny model with its data, and the real services
+around a learner (Redis, reward, reference, one rollout replica)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from rlmesh.learner.sft import arithmetic_examples, run_sft
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher, ServiceInstance
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
-
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "cpu_demo.yaml"
+from tests.support.repo import CPU_DEMO
 
 
 @dataclass
@@ -90,7 +88,7 @@ def start_peers(launcher: ProcessLauncher, prepared: Prepared, run_dir: Path, ex
     run_id = f"e2e-{uuid.uuid4().hex[:6]}"
     common = [*run_overrides(run_id, None, prepared, run_dir, extra), "rlmesh.rollout.replicas=1"]
     stack = start_stack(
-        launcher, str(CONFIG), common, services=("reward", "reference", "rollout"), say=lambda m: None
+        launcher, str(CPU_DEMO), common, services=("reward", "reference", "rollout"), say=lambda m: None
     )
     addresses = [o for o in stack.overrides if o.startswith(("rlmesh.reward.", "rlmesh.reference."))]
     return Peers(

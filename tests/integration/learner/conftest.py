@@ -1,6 +1,6 @@
 import pytest
 
-from tests.integration.learner.common import tiny_model
+from tests.support.learner import tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -14,17 +14,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlmesh.learner import build_batch
-from tests.helpers import child_env, wait_until
-from tests.integration.learner.common import PAD, ckpt_snapshot, ckpt_trainer, make_trajectories
-
-WORKER = Path(__file__).with_name("ckpt_worker.py")
+from tests.support.learner import PAD, ckpt_snapshot, ckpt_trainer, make_trajectories
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, program
+from tests.support.repo import REPO
 
 
 def _assert_same(got, want, what):
@@ -40,9 +38,8 @@ def test_checkpoint_sigkill_resume_equals_uninterrupted_run(tiny_model_dir, tmp_
     first_out, resume_out = tmp_path / "first.json", tmp_path / "resume.pt"
     log = open(tmp_path / "first.log", "w+")  # noqa: SIM115 - read back while the process runs
     first = subprocess.Popen(
-        [sys.executable, str(WORKER), "first", "--model", str(tiny_model_dir), "--root", str(root),
-         "--out", str(first_out)],
-        stdout=log, stderr=subprocess.STDOUT, env=child_env(DS_ACCELERATOR="cpu"),
+        program("checkpoint_learner", "first", "--model", tiny_model_dir, "--root", root, "--out", first_out),
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env(DS_ACCELERATOR="cpu"),
     )  # fmt: skip
     try:
         wait_until(lambda: "HALF" in (tmp_path / "first.log").read_text() or first.poll() is not None, 120,
@@ -59,9 +56,8 @@ def test_checkpoint_sigkill_resume_equals_uninterrupted_run(tiny_model_dir, tmp_
     assert half and (root / half[0] / "actor").is_dir(), sorted(p.name for p in root.iterdir())
 
     resume = subprocess.run(
-        [sys.executable, str(WORKER), "resume", "--model", str(tiny_model_dir), "--root", str(root),
-         "--out", str(resume_out)],
-        capture_output=True, text=True, env=child_env(DS_ACCELERATOR="cpu"), timeout=120,
+        program("checkpoint_learner", "resume", "--model", tiny_model_dir, "--root", root, "--out", resume_out),
+        cwd=REPO, capture_output=True, text=True, env=child_env(DS_ACCELERATOR="cpu"), timeout=120,
     )  # fmt: skip
     assert resume.returncode == 0, resume.stdout[-3000:] + resume.stderr[-5000:]
     got = torch.load(resume_out, weights_only=False)

@@ -11,7 +11,7 @@ import torch
 from rlmesh.learner import PPOTrainer, build_batch
 from rlmesh.learner.parallel import MetricSums
 from rlmesh.learner.partition import plan_micro_batches
-from tests.integration.learner.common import PAD, make_config, make_trajectories, module_state
+from tests.support.learner import PAD, make_config, make_trajectories, module_state
 
 
 def _mini_batch_gradient(trainer: PPOTrainer, batch) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.learner import PPOTrainer, build_batch, latest_checkpoint
 from rlmesh.learner.export import main as export_main
-from tests.integration.learner.common import PAD, make_config, make_trajectories
+from tests.support.learner import PAD, make_config, make_trajectories
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [70, 71, 72, 73, 74, 75, 76]]
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.learner import PPOTrainer, build_batch
-from tests.integration.learner.common import PAD, actor_state, make_config, make_trajectories, module_state
+from tests.support.learner import PAD, actor_state, make_config, make_trajectories, module_state
 
 
 def test_lora_trains_only_adapters_and_pushes_merged_weights(tiny_model_dir):

@@ -10,7 +10,7 @@ import torch
 from rlmesh.algo import AdaptiveKLController
 from rlmesh.learner import BatchError, PPOTrainer, build_batch
 from rlmesh.learner import actor as actor_module
-from tests.integration.learner.common import PAD, make_config, make_trajectories, module_state
+from tests.support.learner import PAD, make_config, make_trajectories, module_state
 
 
 def _seq_log_probs(trainer, batch) -> torch.Tensor:

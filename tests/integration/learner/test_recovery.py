@@ -12,7 +12,7 @@ from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
-from tests.helpers import prompt_items
+from tests.support.data import prompt_items
 
 N = 2
 

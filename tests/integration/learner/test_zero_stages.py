@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +19,10 @@ from safetensors.torch import load_file
 
 from rlmesh.learner.export import export_checkpoint
 from rlmesh.runtime.net import free_port
-from tests.helpers import child_env
-from tests.integration.learner.common import TIMING_PREFIXES, run_uneven_case, run_zero_case
+from tests.support.learner import TIMING_PREFIXES, run_uneven_case, run_zero_case
+from tests.support.processes import PROGRAMS, child_env
+from tests.support.repo import REPO
 
-WORKER = Path(__file__).with_name("zero_worker.py")
 WEIGHT_ATOL = 5e-6
 METRIC_RTOL = 1e-5
 
@@ -34,11 +33,11 @@ def test_zero_stages_with_two_ranks_match_stage0_with_one(tiny_model_dir, tmp_pa
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), "--model", str(tiny_model_dir), "--out", str(out), "--stages", "1,2,3",
+        "-m", f"{PROGRAMS}.zero_stage_ranks", "--model", str(tiny_model_dir), "--out", str(out), "--stages", "1,2,3",
         "--checkpoints", str(tmp_path / "ckpt"),
     ]  # fmt: skip
     proc = subprocess.run(
-        cmd, env=child_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=240
+        cmd, cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = torch.load(out, weights_only=False)

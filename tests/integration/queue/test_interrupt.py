@@ -5,7 +5,8 @@ import asyncio
 
 from rlmesh.queue import connect, prompt_queue
 from rlmesh.v1 import trajectory_pb2
-from tests.helpers import blocked_reads, eventually
+from tests.support.polling import eventually
+from tests.support.streams import blocked_reads
 
 # Far longer than the test: a claim that returns did so because it was woken.
 LONG_BLOCK_MS = 20_000

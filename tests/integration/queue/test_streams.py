@@ -1,9 +1,7 @@
 """Prompt and trajectory streams against a real redis-server."""
 
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,9 +15,8 @@ from rlmesh.queue import (
     trajectory_queue,
 )
 from rlmesh.v1 import trajectory_pb2
-from tests.helpers import child_env
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.processes import child_env, program
+from tests.support.repo import REPO
 
 
 def tasks(n, prefix="t"):
@@ -58,7 +55,7 @@ async def test_a_sigkilled_consumers_tasks_are_reclaimed_by_another(redis_server
     await producer.ensure_group()
     await producer.put(tasks(5))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.queue.consumer_script", redis_server.url, keys.run_id, "3"],
+        program("hanging_consumer", redis_server.url, keys.run_id, 3),
         cwd=REPO,
         env=child_env(),
         stdout=subprocess.PIPE,

@@ -27,7 +27,8 @@ from rlmesh.v1 import (
     reward_pb2_grpc,
     trajectory_pb2,
 )
-from tests.helpers import blocked_reads, eventually
+from tests.support.polling import eventually
+from tests.support.streams import blocked_reads
 
 
 class LengthReward(reward_pb2_grpc.RewardServicer):

@@ -15,7 +15,9 @@ from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajec
 from rlmesh.queue.policy import publish_policy
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trajectory_pb2
-from tests.helpers import blocked_reads, eventually, pid_alive, wait_until
+from tests.support.polling import eventually, wait_until
+from tests.support.processes import pid_alive
+from tests.support.streams import blocked_reads
 
 RUN = f"rollout-{uuid.uuid4().hex[:6]}"
 

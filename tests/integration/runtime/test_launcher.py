@@ -11,9 +11,9 @@ import pytest
 
 from rlmesh.runtime.health import grpc_health, redis_ping
 from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
-from tests.helpers import child_env, pid_alive, wait_until
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, pid_alive, program
+from tests.support.repo import REPO
 
 
 def test_private_redis_answers_and_is_gone_after_exit(tmp_path):
@@ -39,7 +39,7 @@ def test_a_child_that_dies_during_start_up_is_named_with_its_log(tmp_path):
 
 def test_failure_in_the_middle_of_start_up_leaves_no_child_alive(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.runtime.launcher_script", "fail", str(tmp_path)],
+        program("launcher_process", "fail", tmp_path),
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -55,7 +55,7 @@ def test_failure_in_the_middle_of_start_up_leaves_no_child_alive(tmp_path):
 
 def test_sigkilled_launcher_leaves_no_orphan(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.runtime.launcher_script", "hold", str(tmp_path)],
+        program("launcher_process", "hold", tmp_path),
         cwd=REPO,
         env=child_env(),
         stdin=subprocess.PIPE,
@@ -64,7 +64,7 @@ def test_sigkilled_launcher_leaves_no_orphan(tmp_path):
     )
     try:
         line = proc.stdout.readline()
-        assert line, "launcher script printed nothing"
+        assert line, "the launcher process printed nothing"
         pids = json.loads(line)
         assert all(pid_alive(p) for p in pids.values())
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher

@@ -5,9 +5,7 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,7 +15,9 @@ from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.health import scrape_metrics
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS, GrpcService
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from tests.helpers import child_env, wait_until
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, program
+from tests.support.repo import REPO
 
 TOKEN = "s3cret-token"
 
@@ -218,8 +218,8 @@ def test_sigterm_during_a_slow_rpc_lets_it_finish_and_exits_zero(tmp_path):
     ready = tmp_path / "ready.json"
     release = tmp_path / "release"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.runtime.slow_server", str(ready), "30"],
-        cwd=Path(__file__).resolve().parents[3],
+        program("slow_reward", ready, 30),
+        cwd=REPO,
         env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

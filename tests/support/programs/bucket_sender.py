@@ -1,6 +1,6 @@
 """Rank 0 of test_bucket's gloo group, in its own process (a process registers a group name once).
 
-Run as ``python -m tests.unit.weights.bucket_peer PORT GROUP LOAD_FORMAT``.
+Run as ``python -m tests.support.programs.bucket_sender PORT GROUP LOAD_FORMAT``.
 """
 
 from __future__ import annotations

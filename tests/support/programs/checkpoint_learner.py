@@ -1,7 +1,7 @@
-"""A learner process for the SIGKILL test.
+"""A learner process for the checkpoint SIGKILL test (tests/integration/learner/test_checkpoint.py).
 
-ckpt_worker.py first  --model DIR --root ROOT --out FILE   step 1, checkpoint, step 2, half a checkpoint
-ckpt_worker.py resume --model DIR --root ROOT --out FILE   latest checkpoint, step 2, dump the state
+checkpoint_learner first  --model DIR --root ROOT --out FILE   step 1, checkpoint, step 2, half a checkpoint
+checkpoint_learner resume --model DIR --root ROOT --out FILE   latest checkpoint, step 2, dump the state
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-
 from rlmesh.learner import build_batch, checkpoint, latest_checkpoint
-from tests.integration.learner.common import PAD, ckpt_snapshot, ckpt_trainer, make_trajectories
+from tests.support.learner import PAD, ckpt_snapshot, ckpt_trainer, make_trajectories
 
 
 def main() -> int:

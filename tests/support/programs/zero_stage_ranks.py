@@ -1,4 +1,4 @@
-"""Run by torchrun with 2 ranks: one PPO step of common.ZERO_CASE at each ZeRO stage given, with
+"""Run by torchrun with 2 ranks: one PPO step of learner.ZERO_CASE at each ZeRO stage given, with
 a checkpoint round trip; rank 0 saves {stage: run_zero_case(...)} to --out."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-
-from tests.integration.learner.common import run_uneven_case, run_zero_case
+from tests.support.learner import run_uneven_case, run_zero_case
 
 
 def main() -> int:

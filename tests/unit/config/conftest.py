@@ -5,9 +5,6 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-CPU_DEMO = REPO_ROOT / "examples" / "cpu_demo.yaml"
-
 
 @pytest.fixture
 def write_yaml(tmp_path: Path) -> Callable[[str], Path]:

@@ -6,7 +6,7 @@ import pytest
 
 from rlmesh.data import DatasetError, RLHFDataset
 from rlmesh.data.dataset import truncate_ids
-from tests.unit.data.helpers import row, write
+from tests.support.data import row, write
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 

@@ -1,9 +1,6 @@
 """The flattened_bucket layout (SGLang's ``load_format``) and the engine's receive over real gloo."""
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +10,9 @@ from torch import nn
 from rlmesh.engine.weight_updates import EngineWeights, WeightUpdateError
 from rlmesh.runtime.net import free_port
 from rlmesh.weights.bucket import flatten_tensors, layout, packed_bytes, tensor_views, unflatten_tensors
-from tests.unit.weights.bucket_peer import ROUNDS, payload
+from tests.support.processes import child_env, program
+from tests.support.programs.bucket_sender import ROUNDS, payload
+from tests.support.repo import REPO
 
 
 def mixed_tensors() -> list[torch.Tensor]:
@@ -113,12 +112,7 @@ def test_the_engine_receives_a_mixed_dtype_bucket_over_gloo(load_format):
     weights = EngineWeights(Tiny())
     port = free_port()
     group = f"bucket_test_{load_format}"
-    root = Path(__file__).resolve().parents[3]
-    sender = subprocess.Popen(
-        [sys.executable, "-m", "tests.unit.weights.bucket_peer", str(port), group, str(load_format)],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )
+    sender = subprocess.Popen(program("bucket_sender", port, group, load_format), cwd=REPO, env=child_env())
     try:
         weights.init_group("127.0.0.1", port, 1, 2, group, "gloo", 60.0)
         first = payload(0)

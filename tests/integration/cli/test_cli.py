@@ -3,11 +3,9 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.helpers import child_env, pid_alive
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.processes import child_env, pid_alive
+from tests.support.repo import REPO
 
 
 def rlmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

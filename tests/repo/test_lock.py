@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import tomllib
 from importlib.metadata import PackageNotFoundError, distribution
-from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.repo import REPO
+
 LOCKED_EXTRAS = ("dev",)
 
 

@@ -12,8 +12,7 @@ import yaml
 
 from rlmesh.config import load_config
 from rlmesh.job import demo
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.repo import CPU_DEMO, REPO
 
 
 def tiny_prepare(workdir: Path, seed: int) -> demo.Prepared:
@@ -61,7 +60,7 @@ def test_prepare_links_model_and_data_to_the_latest_preparation(tmp_path, monkey
     assert data.resolve() == first.train.parent.resolve()
 
     # examples/cpu_demo.yaml, run from the repository root, now trains on what the demo prepared.
-    cfg = load_config(REPO / "examples" / "cpu_demo.yaml")
+    cfg = load_config(CPU_DEMO)
     assert Path(cfg.actor_rollout_ref.model.path).resolve() == first.sft_model.resolve()
     assert (Path(cfg.actor_rollout_ref.model.path) / "config.json").is_file()
     assert Path(cfg.data.train_files).resolve() == first.train.resolve()

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlmesh.data import PromptCursor, RLHFDataset, iter_batches
-from tests.unit.data.helpers import row, write
+from tests.support.data import row, write
 
 
 def take(sampler, sizes):

@@ -2,14 +2,12 @@
 engine runs here, so this is the check that can run)."""
 
 import re
-from pathlib import Path
 
 import yaml
 
 from rlmesh.cli import service_entry_points
 from rlmesh.config import load_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.repo import REPO
 
 
 def expand(arg: str) -> str:

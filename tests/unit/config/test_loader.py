@@ -16,8 +16,7 @@ from rlmesh.config import (
     dump_yaml,
     load_config,
 )
-
-from .conftest import CPU_DEMO
+from tests.support.repo import CPU_DEMO
 
 WriteYaml = Callable[[str], Path]
 
