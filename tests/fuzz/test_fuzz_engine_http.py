@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rlmesh.engine.sampling import KNOWN_KEYS
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
-from tests.fuzz.protostrategies import FUZZ
+from tests.support.protostrategies import FUZZ
 
 json_values = st.recursive(
     st.none()

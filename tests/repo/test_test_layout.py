@@ -12,10 +12,6 @@ MIRRORS = ("unit", "integration")  # folders of tests named after what they test
 SUPPORT = "support"  # helpers and programs: the one folder of tests/ that holds other files
 TEST_FOLDER_FILES = ("__init__.py", "conftest.py")
 
-# Re-exports kept for tests whose owners have not yet moved their imports to tests/support; a path
-# leaves this set as soon as nothing imports it.
-PENDING: set[str] = {"tests/helpers.py", "tests/netproxy.py", "tests/fuzz/protostrategies.py"}
-
 
 def in_tree(path: Path, root: Path) -> bool:
     """Part of the tree a clone has: not hidden, not ignored (``__pycache__``, build outputs)."""
@@ -41,7 +37,7 @@ def is_test_folder_file(name: str) -> bool:
     return name in TEST_FOLDER_FILES or (name.startswith("test_") and name.endswith(".py"))
 
 
-def file_problems(tests: Path, pending: set[str] = frozenset()) -> list[str]:
+def file_problems(tests: Path) -> list[str]:
     """Files outside tests/support that are neither a test module, a conftest.py nor an __init__.py,
     and test modules inside it."""
     problems = []
@@ -50,7 +46,7 @@ def file_problems(tests: Path, pending: set[str] = frozenset()) -> list[str]:
         in_support = path.relative_to(tests).parts[0] == SUPPORT
         if in_support and path.name.startswith("test_"):
             problems.append(f"{where}: a test module in {SUPPORT}/ (helpers and programs only)")
-        elif not in_support and not is_test_folder_file(path.name) and where not in pending:
+        elif not in_support and not is_test_folder_file(path.name):
             problems.append(f"{where}: not a test module; helpers and programs go in tests/{SUPPORT}/")
     return problems
 
@@ -81,18 +77,13 @@ def test_unit_and_integration_folders_are_named_after_library_packages():
 
 
 def test_test_folders_hold_only_tests_and_support_only_helpers():
-    problems = file_problems(REPO / "tests", PENDING)
+    problems = file_problems(REPO / "tests")
     assert not problems, "\n".join(problems)
 
 
 def test_no_test_module_is_a_program():
     problems = main_problems(REPO / "tests")
     assert not problems, "\n".join(problems)
-
-
-def test_pending_re_exports_still_exist():
-    gone = sorted(p for p in PENDING if not (REPO / p).exists())
-    assert not gone, f"take these out of PENDING: {', '.join(gone)}"
 
 
 def test_the_checks_catch_what_they_should(tmp_path):
@@ -115,7 +106,8 @@ def test_the_checks_catch_what_they_should(tmp_path):
         "tests/unit/queues/: no package or module rlmesh/queues(.py)",
         "tests/integration/misc/: no package or module rlmesh/misc(.py)",
     ]
-    assert file_problems(tests, {"tests/e2e/common.py"}) == [
+    assert file_problems(tests) == [
+        "tests/e2e/common.py: not a test module; helpers and programs go in tests/support/",
         "tests/support/test_stack.py: a test module in support/ (helpers and programs only)",
         "tests/unit/queue/helpers.py: not a test module; helpers and programs go in tests/support/",
     ]

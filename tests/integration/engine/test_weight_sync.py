@@ -4,7 +4,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
@@ -16,7 +15,10 @@ import rlmesh.learner.weight_push as push_module
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner.weight_push import WeightPusher, WeightPushError
 from rlmesh.weights.bucket import flatten_tensors, layout, tensor_views
-from tests.helpers import child_env, wait_until
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, program
+from tests.support.programs import dying_trainer
+from tests.support.repo import REPO
 
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [80, 81, 82]]
 NEW_TOKENS = 8
@@ -290,44 +292,18 @@ def test_a_replica_killed_during_a_push_fails_fast_and_the_survivors_get_the_nex
     launcher.stop(survivor.process)
 
 
-TRAINER_DIES_MIDWAY = """
-import asyncio, os, sys, httpx, torch
-from transformers import AutoModelForCausalLM
-from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import WeightPusher
-
-url, model_dir = sys.argv[1], sys.argv[2]
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-named = list(model.named_parameters())
-
-async def main():
-    client = EngineClient(url, timeout_s=60)
-    pusher = WeightPusher([client], backend="gloo", timeout_s=60)
-    await pusher.connect()
-    link = pusher.links[0]
-    call = asyncio.create_task(client.update_weights_from_distributed(
-        [n for n, _ in named], ["float32"] * len(named), [list(p.shape) for _, p in named],
-        link.group_name, weight_version="9", load_format="flattened_bucket"))
-    # The engine is now inside its receive, straight into its parameters: die before sending.
-    while not httpx.get(url + "/get_server_info").json()["weights_receiving_direct"]:
-        await asyncio.sleep(0.01)
-    os._exit(3)
-
-asyncio.run(main())
-"""
-
-
 def test_a_trainer_dying_midway_holds_generation_until_a_complete_push(launcher, tiny_model_dir, models):
     _, target = models
     engine = launcher.start_engine(tiny_model_dir, name="trainer-dies")
     proc = subprocess.run(
-        [sys.executable, "-c", TRAINER_DIES_MIDWAY, engine.url, str(tiny_model_dir)],
+        program("dying_trainer", engine.url, tiny_model_dir),
+        cwd=REPO,
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.returncode == dying_trainer.EXIT_CODE, proc.stderr[-3000:]
     wait_until(
         lambda: httpx.get(engine.url + "/get_server_info").json()["weights_tainted"] > 0,
         60,
@@ -363,7 +339,7 @@ def test_an_engine_cut_off_costs_a_push_the_control_timeout_not_the_push_timeout
     reset). The push timeout is 300 s; the control calls' is 2 s: the push with the engine cut off
     drops it after that, the other engine gets the weights, a relink fails as fast, and once the
     network heals the next push reaches it again."""
-    from tests.netproxy import PartitionableProxy
+    from tests.support.netproxy import PartitionableProxy
 
     start, target = models
     near = launcher.start_engine(tiny_model_dir, name="near")
