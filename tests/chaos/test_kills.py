@@ -1,8 +1,8 @@
 """Whole jobs through a kill: ``rlmesh train`` runs a small job (every service a real process, a
 real Redis), the test ``kill -9``s one process mid-run, and the job must still finish its planned
 steps having trained on every planned prompt group exactly once per step, each with all its samples
-(the audit in ``tests/support/jobs.py``). Each scenario states its bound as the deadline of the wait for the run
-to go on, and prints how long recovery took.
+(the audit in ``tests/support/jobs.py``). Each scenario states its bound as the deadline of the
+wait for the run to go on, and prints how long recovery took.
 """
 
 from __future__ import annotations

@@ -64,8 +64,10 @@ def runs_as_main(path: Path) -> bool:
 
 
 def main_problems(tests: Path) -> list[str]:
+    """Test modules with an ``if __name__ == "__main__":`` block."""
     return [
-        f"{path.relative_to(tests.parent).as_posix()}: runs as a program; move that part to tests/{SUPPORT}/programs/"
+        f"{path.relative_to(tests.parent).as_posix()}: runs as a program; "
+        f"move that part to tests/{SUPPORT}/programs/"
         for path in sorted(tests.rglob("test_*.py"))
         if in_tree(path, tests) and runs_as_main(path)
     ]

@@ -56,7 +56,8 @@ def test_checkpoint_sigkill_resume_equals_uninterrupted_run(tiny_model_dir, tmp_
     assert half and (root / half[0] / "actor").is_dir(), sorted(p.name for p in root.iterdir())
 
     resume = subprocess.run(
-        program("checkpoint_learner", "resume", "--model", tiny_model_dir, "--root", root, "--out", resume_out),
+        program("checkpoint_learner", "resume", "--model", tiny_model_dir, "--root", root,
+                "--out", resume_out),
         cwd=REPO, capture_output=True, text=True, env=child_env(DS_ACCELERATOR="cpu"), timeout=120,
     )  # fmt: skip
     assert resume.returncode == 0, resume.stdout[-3000:] + resume.stderr[-5000:]

@@ -33,8 +33,8 @@ def test_zero_stages_with_two_ranks_match_stage0_with_one(tiny_model_dir, tmp_pa
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", f"{PROGRAMS}.zero_stage_ranks", "--model", str(tiny_model_dir), "--out", str(out), "--stages", "1,2,3",
-        "--checkpoints", str(tmp_path / "ckpt"),
+        "-m", f"{PROGRAMS}.zero_stage_ranks", "--model", str(tiny_model_dir), "--out", str(out),
+        "--stages", "1,2,3", "--checkpoints", str(tmp_path / "ckpt"),
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=240
