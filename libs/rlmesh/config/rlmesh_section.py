@@ -105,6 +105,13 @@ class LearnerServiceConfig(ServiceConfig):
         description="data-parallel ranks `rlmesh serve learner` starts on this machine (one GPU each on "
         "CUDA, gloo on CPU); under torchrun or deepspeed the launcher's ranks apply instead",
     )
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="intra-op torch threads of each learner rank; 0 = OMP_NUM_THREADS (1 by default). "
+        "Synchronous runs (max_staleness 0) leave the replicas idle while the learner trains: on a small "
+        "CPU machine give the learner the cores",
+    )
 
 
 def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:

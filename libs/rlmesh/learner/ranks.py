@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import torch
+
 from rlmesh.config import ConfigError, RLMeshConfig, load_config
 from rlmesh.learner.commands import RankZeroLost, follow
 from rlmesh.learner.dist import shutdown_distributed
@@ -32,6 +34,14 @@ HARD_STOP_S = 120.0
 
 def make_trainer(cfg: RLMeshConfig, total_steps: int) -> PPOTrainer:
     return PPOTrainer(cfg, total_training_steps=total_steps)
+
+
+def set_torch_threads(cfg: RLMeshConfig) -> int:
+    """Applies ``rlmesh.learner.torch_threads`` (0 keeps what ``OMP_NUM_THREADS`` set); returns
+    the number of intra-op threads this rank now uses."""
+    if cfg.rlmesh.learner.torch_threads:
+        torch.set_num_threads(cfg.rlmesh.learner.torch_threads)
+    return torch.get_num_threads()
 
 
 def learner_env_defaults() -> None:
@@ -58,6 +68,7 @@ def follower_main(argv: Sequence[str]) -> int:
         print(f"rlmesh learner: invalid configuration:\n{e}", file=sys.stderr)
         return 2
     rank = os.environ.get("RANK")
+    set_torch_threads(cfg)
     configure_logging(f"learner-rank{rank}", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
     parent = os.getppid()
 

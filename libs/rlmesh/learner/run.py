@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.learner.loop import TrainingLoop
-from rlmesh.learner.ranks import learner_env_defaults, make_trainer
+from rlmesh.learner.ranks import learner_env_defaults, make_trainer, set_torch_threads
 
 log = logging.getLogger("rlmesh.learner")
 
@@ -31,6 +31,8 @@ class LearnerRun:
         if not cfg.rlmesh.run_id:
             raise ValueError("rlmesh.run_id is required: the learner and its replicas share the run's queues")
         learner_env_defaults()
+        threads = set_torch_threads(cfg)
+        log.info("learner rank 0 uses %d torch thread(s)", threads)
         loop = await asyncio.to_thread(TrainingLoop, cfg, make_trainer, registry=metrics_registry)
         return cls(loop, on_end)
 
