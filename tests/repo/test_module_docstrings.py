@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.repo import LIBRARY, REPO, python_files, split_fenced
+from tests.support.repo import LIBRARY, REPO, anchors, python_files, slug
 
 MAX_LINES = 3
 GENERATED = LIBRARY / "v1"
 
 # docs/<page>.md, optionally with #anchor, not inside a longer path or a URL.
 POINTER = re.compile(r"(?<![\w./-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
-HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
 def source_files() -> list[Path]:
@@ -38,28 +37,6 @@ def module_docstring(path: Path) -> tuple[str, int] | None:
     if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
         return None
     return node.value, node.end_lineno - node.lineno + 1
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def anchors(page: Path) -> set[str]:
-    """The anchors of the headings of a Markdown page (outside code blocks); a repeated heading
-    gets ``-1``, ``-2``, ... as on GitHub."""
-    prose, _ = split_fenced(page.read_text())
-    found: set[str] = set()
-    seen: dict[str, int] = {}
-    for _, line in prose:
-        match = HEADING.match(line)
-        if not match:
-            continue
-        base = slug(match.group(2))
-        count = seen.get(base, 0)
-        seen[base] = count + 1
-        found.add(base if count == 0 else f"{base}-{count}")
-    return found
 
 
 def test_module_docstrings_are_at_most_three_lines():

@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.repo import (
     REPO,
+    anchors,
     library_packages,
     markdown_files,
     rel,
@@ -153,27 +154,6 @@ def links(path: Path) -> list[tuple[int, str]]:
         match = REFERENCE_LINK.match(line)
         if match:
             found.append((number, match.group(1)))
-    return found
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"`|\*\*|__", "", heading.strip().lower())
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    prose, _ = split_fenced(path.read_text())
-    found: set[str] = set()
-    for _, line in prose:
-        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if match:
-            base, n = slug(match.group(1)), 0
-            anchor = base
-            while anchor in found:
-                n += 1
-                anchor = f"{base}-{n}"
-            found.add(anchor)
     return found
 
 

@@ -106,3 +106,26 @@ def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
 def package_of(path: Path, root: Path, root_name: str) -> str:
     parts = path.relative_to(root).parent.parts
     return ".".join([root_name, *parts])
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|__", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown page's headings (outside code blocks); a repeated heading gets
+    ``-1``, ``-2``, ... as on GitHub."""
+    prose, _ = split_fenced(path.read_text())
+    found: set[str] = set()
+    for _, line in prose:
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            base, n = slug(match.group(1)), 0
+            anchor = base
+            while anchor in found:
+                n += 1
+                anchor = f"{base}-{n}"
+            found.add(anchor)
+    return found
