@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry
 from rlmesh.reward.builtin import builtin_for, data_source_rules
 from rlmesh.reward.loader import RewardFunction, builtin_function, configured_function
 from rlmesh.reward.metrics import RewardMetrics
-from rlmesh.reward.pool import DaemonPool, describe, guard_async, guard_sync, wait_until
+from rlmesh.reward.pool import describe, guard_async, guard_sync, wait_until
 from rlmesh.reward.samples import policy_tokenizer, prompt_text, sample_inputs, validate_batch
 from rlmesh.reward.values import NotAScore, read_score
+from rlmesh.runtime.threads import DaemonPool
 from rlmesh.v1 import common_pb2, reward_pb2
 
 if TYPE_CHECKING:
