@@ -23,6 +23,7 @@ from rlmesh.learner.trainer import PPOTrainer
 from rlmesh.runtime.entry import limit_torch_threads, service_arg_parser
 from rlmesh.runtime.launcher import local_rendezvous, with_parent_death_signal
 from rlmesh.runtime.logs import configure_logging
+from rlmesh.runtime.net import free_port
 
 log = logging.getLogger("rlmesh.learner")
 
@@ -46,8 +47,6 @@ def set_torch_threads(cfg: RLMeshConfig) -> int:
 
 def learner_env_defaults() -> None:
     """A single process is a group of one: DeepSpeed needs the env a launcher would have set."""
-    from rlmesh.runtime.net import free_port
-
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):

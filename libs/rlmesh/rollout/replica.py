@@ -124,6 +124,7 @@ class RolloutReplica:
         self._run_version = 0
         self._run_version_read_at = float("-inf")
         self._background: list[asyncio.Task[None]] = []
+        sampler.can_claim = self.caught_up
 
     @classmethod
     async def create(
@@ -147,11 +148,6 @@ class RolloutReplica:
             "claim_idle_ms": cfg.rlmesh.queue.claim_idle_ms,
         }
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_path())
-        replica: RolloutReplica | None = None
-
-        async def caught_up() -> bool:
-            return await replica.caught_up()  # type: ignore[union-attr]
-
         sampler = SamplerLoop(
             prompts=prompt_queue(
                 redis, keys, replica_id, maxlen=cfg.rlmesh.queue.prompt_stream_maxlen, **queue_kw
@@ -166,7 +162,6 @@ class RolloutReplica:
             reward_breaker=CircuitBreaker("reward", s.breaker_failures, s.breaker_reset_s),
             reference_breaker=CircuitBreaker("reference", s.breaker_failures, s.breaker_reset_s),
             engine_breaker=CircuitBreaker("engine", s.breaker_failures, s.breaker_reset_s),
-            can_claim=caught_up,
             registry=metrics_registry,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
