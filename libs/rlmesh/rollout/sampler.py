@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -23,6 +24,8 @@ from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
 
 log = logging.getLogger("rlmesh.rollout")
+
+Traj = trajectory_pb2.Trajectory
 
 ScoreFn = Callable[[list[reward_pb2.RewardSample]], Awaitable[list[reward_pb2.RewardResult]]]
 RefFn = Callable[[list[reference_pb2.LogProbsSample]], Awaitable[list[reference_pb2.LogProbsResult]]]
@@ -231,20 +234,24 @@ class SamplerLoop:
         self._parked.clear()
         try:
             deliveries = await self.prompts.claim(room, block_ms=self.settings.claim_block_ms)
-            for delivery in deliveries:
-                task = asyncio.create_task(self._handle(delivery))
-                self._in_flight[delivery.entry_id] = task
-                task.add_done_callback(lambda _t, eid=delivery.entry_id: self._finished(eid))
+            if deliveries:
+                # Everything one claim returned is one wave: generated, scored and published together.
+                wave = asyncio.create_task(self._handle_wave(deliveries))
+                for delivery in deliveries:
+                    self._in_flight[delivery.entry_id] = wave
+                wave.add_done_callback(lambda _t, ids=[d.entry_id for d in deliveries]: self._finished(ids))
             self.metrics.in_flight.set(len(self._in_flight))
         finally:
             self._parked.set()
 
-    def _finished(self, entry_id: bytes) -> None:
-        self._in_flight.pop(entry_id, None)
-        # Acked or dead-lettered (the queue has forgotten it already), or given up on with Redis
-        # unreachable: then it stays pending, and the queue must treat it as an orphan to take
-        # back, not as an entry this process still works on.
-        self.prompts.forget([entry_id])
+    def _finished(self, entry_ids: list[bytes]) -> None:
+        for entry_id in entry_ids:
+            self._in_flight.pop(entry_id, None)
+        # Acked or dead-lettered (the queue has forgotten them already), or given up on with Redis
+        # unreachable: then they stay pending, and the queue must treat them as orphans to take
+        # back, not as entries this process still works on.
+        self.prompts.forget(entry_ids)
+        self.metrics.in_flight.set(len(self._in_flight))
 
     async def _wait_for_room(self) -> None:
         if self._in_flight:
@@ -260,92 +267,120 @@ class SamplerLoop:
             with contextlib.suppress(*TRANSIENT_ERRORS):
                 await self.prompts.touch(list(self._in_flight))
 
-    async def _handle(self, delivery: Delivery[trajectory_pb2.PromptTask]) -> None:
-        task = delivery.message
+    async def _handle_wave(self, deliveries: list[Delivery[trajectory_pb2.PromptTask]]) -> None:
+        """One claim's tasks as one wave: one engine call per sampling setting (continuous batching
+        sees them together), one ``Reward.Score`` and one ``Reference.LogProbs`` call, one stream
+        write and one ack. A task that fails alone (its sampling params, the engine refusing it) is
+        dead-lettered alone; what fails the whole wave (say, a reward answer of the wrong length)
+        dead-letters the tasks still in it."""
+        pending = {d.entry_id: d for d in deliveries}  # neither acked nor dead-lettered yet
         try:
-            trajectories = await self._sample(task)
-            await self._publish(task, trajectories)
-            await retry_forever(lambda: self.prompts.ack([delivery.entry_id]), f"ack {task.uid}")
+            sampled = await self._sample_wave(deliveries, pending)
+            await self._publish(sampled)
+            acked = [d.entry_id for d, _ in sampled]
+            await retry_forever(lambda: self.prompts.ack(acked), f"ack {len(acked)} task(s)")
+            for entry_id in acked:
+                pending.pop(entry_id)
         except (Stopped, asyncio.CancelledError):
-            # Not acked: it stays pending and is reclaimed by another replica.
-            self.metrics.tasks.labels("interrupted").inc()
+            # Not acked: they stay pending and are reclaimed by another replica.
+            self.metrics.tasks.labels("interrupted").inc(len(pending))
             raise
         except Exception as e:
-            # The engine refused the task, or a bug: retrying the same task cannot help, so it goes
-            # to the dead letters with the reason instead of blocking a slot forever.
-            log.exception("task %s failed; dead-lettering it", task.uid)
-            self.metrics.tasks.labels("failed").inc()
-            reason = f"failed: {type(e).__name__}: {e}"[:2000]
-            await retry_forever(
-                lambda: self.prompts.dead_letter(
-                    delivery.entry_id, task.SerializeToString(), reason, delivery.deliveries
-                ),
-                f"dead-letter {task.uid}",
-            )
+            # A bug, or an answer that cannot be used: retrying the same tasks cannot help, so they
+            # go to the dead letters with the reason instead of blocking slots forever.
+            log.exception("a wave of %d task(s) failed; dead-lettering them", len(pending))
+            for delivery in list(pending.values()):
+                await self._dead_letter(delivery, e, pending)
             return
-        self.tasks_done += 1
-        self.metrics.tasks.labels("done").inc()
-        self.metrics.trajectories.inc(len(trajectories))
+        self.tasks_done += len(sampled)
+        self.metrics.tasks.labels("done").inc(len(sampled))
+        self.metrics.trajectories.inc(sum(len(trajs) for _, trajs in sampled))
 
-    async def _publish(
-        self, task: trajectory_pb2.PromptTask, trajectories: list[trajectory_pb2.Trajectory]
+    async def _dead_letter(
+        self,
+        delivery: Delivery[trajectory_pb2.PromptTask],
+        error: BaseException,
+        pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
     ) -> None:
-        """A full trajectory stream is back-pressure: wait for the learner to consume and try
-        again (the task stays in flight, touched, so nobody reclaims it); never drop the samples."""
+        task = delivery.message
+        log.error("task %s failed; dead-lettering it: %s", task.uid, error)
+        self.metrics.tasks.labels("failed").inc()
+        reason = f"failed: {type(error).__name__}: {error}"[:2000]
+        await retry_forever(
+            lambda: self.prompts.dead_letter(
+                delivery.entry_id, task.SerializeToString(), reason, delivery.deliveries
+            ),
+            f"dead-letter {task.uid}",
+        )
+        pending.pop(delivery.entry_id, None)
+
+    async def _publish(self, sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]) -> None:
+        """Writes the wave's trajectories in as few stream writes as the stream's bound allows (one,
+        unless the wave alone is larger than the bound). A full stream is back-pressure: wait for
+        the learner to consume and try again (the tasks stay in flight, touched, so nobody reclaims
+        them); never drop the samples."""
+        chunks: list[list[Traj]] = [[]]
+        for _, trajs in sampled:
+            if chunks[-1] and len(chunks[-1]) + len(trajs) > self.trajectories.maxlen:
+                chunks.append([])
+            chunks[-1].extend(trajs)
+        for chunk in chunks:
+            if chunk:
+                await self._put_waiting(chunk)
+
+    async def _put_waiting(self, trajs: list[Traj]) -> None:
+        what = f"publish {len(trajs)} trajectories"
         delay = self.settings.backoff_s
         while True:
             try:
-                await retry_forever(lambda: self.trajectories.put(trajectories), f"publish {task.uid}")
+                await retry_forever(lambda: self.trajectories.put(trajs), what)
                 return
             except QueueFullError as e:
                 if self._stop.is_set():
                     raise Stopped() from e
                 self.metrics.retries.labels("trajectory_stream").inc()
-                log.warning("task %s: %s; waiting %.1f s for the learner to consume", task.uid, e, delay)
+                log.warning("%s; waiting %.1f s for the learner to consume", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.max_backoff_s)
 
-    async def _sample(self, task: trajectory_pb2.PromptTask) -> list[trajectory_pb2.Trajectory]:
+    async def _sample_wave(
+        self,
+        deliveries: list[Delivery[trajectory_pb2.PromptTask]],
+        pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
+    ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]:
         t0 = time.monotonic()
-        queue_wait = max(0.0, time.time() - task.enqueued_unix_ms / 1000) if task.enqueued_unix_ms else 0.0
-        n = max(1, task.n)
-        params = {**sampling_dict(task.sampling_params, self.settings.sampling_defaults), "n": n}
+        now = time.time()
+        groups: dict[str, list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]]] = {}
+        for delivery in deliveries:
+            task = delivery.message
+            try:
+                params = {
+                    **sampling_dict(task.sampling_params, self.settings.sampling_defaults),
+                    "n": max(1, task.n),
+                }
+            except ValueError as e:
+                await self._dead_letter(delivery, e, pending)
+                continue
+            groups.setdefault(json.dumps(params, sort_keys=True), []).append((delivery, params))
+        if not groups:
+            return []
         version_before = await self._engine_version()
-        out = await self._generate(task, params)
-        outs = out if isinstance(out, list) else [out]
+        generated = await asyncio.gather(*(self._generate_group(group, pending) for group in groups.values()))
         t_gen = time.monotonic()
         self.metrics.stage.labels("generate").observe(t_gen - t0)
-        # Tag with the oldest weights that took part, so staleness is never under-counted.
-        engine_version = min(parse_version(o["meta_info"].get("weight_version")) for o in outs)
-        version = min(version_before, engine_version) if version_before else engine_version
-        self.policy_version = max(self.policy_version, engine_version)
+        sampled = [
+            (delivery, self._trajectories(delivery.message, outs, version_before))
+            for group in generated
+            for delivery, outs in group
+        ]
+        trajs = [traj for _, group_trajs in sampled for traj in group_trajs]
+        if not trajs:
+            return []
+        tokens = sum(len(t.response_ids) for t in trajs)
+        self.tokens_generated += tokens
+        self.metrics.tokens.inc(tokens)
 
-        trajs = []
-        for i, o in enumerate(outs):
-            index = task.sample_offset + i
-            meta = o["meta_info"]
-            traj = trajectory_pb2.Trajectory(
-                uid=f"{task.group_uid}/{index}",
-                group_uid=task.group_uid,
-                task_uid=task.uid,
-                sample_index=index,
-                prompt_ids=list(task.prompt_ids),
-                response_ids=o["output_ids"],
-                rollout_log_probs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
-                finish_reason=str(meta["finish_reason"].get("type", "")),
-                policy_version=version,
-                replica_id=self.settings.replica_id,
-                response_text=o.get("text") or (self.decode(o["output_ids"]) if self.decode else ""),
-                ground_truth=task.ground_truth,
-                data_source=task.data_source,
-                step=task.step,
-                validation=task.validation,
-            )
-            trajs.append(traj)
-        self.tokens_generated += sum(len(t.response_ids) for t in trajs)
-        self.metrics.tokens.inc(sum(len(t.response_ids) for t in trajs))
-
-        reward_task = asyncio.create_task(self._scores(task, trajs))
+        reward_task = asyncio.create_task(self._scores(sampled))
         ref_task = asyncio.create_task(self._references(trajs)) if self.ref_logprobs else None
         (scores, reward_s), (refs, ref_s) = await asyncio.gather(
             reward_task, ref_task if ref_task else _none()
@@ -362,17 +397,50 @@ class SamplerLoop:
                 else:
                     traj.ref_log_probs.extend(result.log_probs)
         total = time.monotonic() - t0
-        for traj in trajs:
-            traj.timings.CopyFrom(
-                trajectory_pb2.StageTimings(
-                    queue_wait_s=queue_wait,
-                    generate_s=t_gen - t0,
-                    reward_s=reward_s,
-                    reference_s=ref_s,
-                    total_s=total,
+        for delivery, group_trajs in sampled:
+            enqueued = delivery.message.enqueued_unix_ms
+            timings = trajectory_pb2.StageTimings(
+                queue_wait_s=max(0.0, now - enqueued / 1000) if enqueued else 0.0,
+                generate_s=t_gen - t0,
+                reward_s=reward_s,
+                reference_s=ref_s,
+                total_s=total,
+            )
+            for traj in group_trajs:
+                traj.timings.CopyFrom(timings)
+        self.metrics.stage.labels("total").observe(total)
+        return sampled
+
+    def _trajectories(
+        self, task: trajectory_pb2.PromptTask, outs: list[dict[str, Any]], version_before: int
+    ) -> list[Traj]:
+        # Tag with the oldest weights that took part, so staleness is never under-counted.
+        engine_version = min(parse_version(o["meta_info"].get("weight_version")) for o in outs)
+        version = min(version_before, engine_version) if version_before else engine_version
+        self.policy_version = max(self.policy_version, engine_version)
+        trajs = []
+        for i, o in enumerate(outs):
+            index = task.sample_offset + i
+            meta = o["meta_info"]
+            trajs.append(
+                trajectory_pb2.Trajectory(
+                    uid=f"{task.group_uid}/{index}",
+                    group_uid=task.group_uid,
+                    task_uid=task.uid,
+                    sample_index=index,
+                    prompt_ids=list(task.prompt_ids),
+                    response_ids=o["output_ids"],
+                    rollout_log_probs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
+                    finish_reason=str(meta["finish_reason"].get("type", "")),
+                    policy_version=version,
+                    replica_id=self.settings.replica_id,
+                    response_text=o.get("text") or (self.decode(o["output_ids"]) if self.decode else ""),
+                    ground_truth=task.ground_truth,
+                    data_source=task.data_source,
+                    step=task.step,
+                    validation=task.validation,
                 )
             )
-        self.metrics.stage.labels("total").observe(total)
         return trajs
 
     async def _engine_version(self) -> int:
@@ -387,45 +455,82 @@ class SamplerLoop:
         self.policy_version = max(self.policy_version, parse_version(info.get("weight_version")))
         return self.policy_version
 
-    async def _generate(self, task: trajectory_pb2.PromptTask, params: dict[str, Any]) -> Any:
+    async def _generate_group(
+        self,
+        group: list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]],
+        pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
+    ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[dict[str, Any]]]]:
+        """Tasks with the same sampling params in one engine call; each task's outputs (prompt-major,
+        as SGLang answers a batch). If the engine refuses the call, each task is asked for alone, so
+        only the one it refuses is dead-lettered."""
+        params = group[0][1]
+        try:
+            outs = await self._generate([d.message for d, _ in group], params)
+        except EngineError as e:
+            if not e.rejected:
+                raise
+            if len(group) == 1:
+                await self._dead_letter(group[0][0], e, pending)
+                return []
+            alone = await asyncio.gather(*(self._generate_group([item], pending) for item in group))
+            return [item for one in alone for item in one]
+        n = params["n"]
+        if len(outs) != n * len(group):
+            raise EngineError(
+                f"{self.engine.name}: answered {len(outs)} outputs for {len(group)} prompt(s) x n={n}",
+                status=500,
+            )
+        return [(delivery, outs[i * n : (i + 1) * n]) for i, (delivery, _) in enumerate(group)]
+
+    async def _generate(
+        self, tasks: list[trajectory_pb2.PromptTask], params: dict[str, Any]
+    ) -> list[dict[str, Any]]:
         """Generates, retrying while the engine is unreachable or failing (5xx); a 4xx refusal of
         the request itself is raised at once."""
+        what = tasks[0].uid if len(tasks) == 1 else f"{len(tasks)} tasks ({tasks[0].uid}, ...)"
+        prompts = [list(t.prompt_ids) for t in tasks]
 
-        async def generate(_: None) -> Any:
-            out = await self.engine.generate(list(task.prompt_ids), params, return_logprob=True, rid=rid())
-            aborted = [o for o in (out if isinstance(out, list) else [out]) if _finish_type(o) == "abort"]
+        async def generate(_: None) -> list[dict[str, Any]]:
+            if len(prompts) == 1:
+                out = await self.engine.generate(prompts[0], params, return_logprob=True, rid=rid())
+            else:
+                # No rid: SGLang derives one per sequence of a batch, and the retry of a batch is a new one.
+                out = await self.engine.generate(prompts, params, return_logprob=True)
+            outs = out if isinstance(out, list) else [out]
+            aborted = [o for o in outs if _finish_type(o) == "abort"]
             if aborted:
                 # Cut short (aborted by an operator, or by an engine failure): never trained on.
                 raise EngineError(
-                    f"{self.engine.name}: {len(aborted)} sample(s) of task {task.uid} were aborted "
+                    f"{self.engine.name}: {len(aborted)} sample(s) of {what} were aborted "
                     f"({aborted[0]['meta_info']['finish_reason'].get('message', '')}); generating again",
                     status=503,
                 )
-            return out
+            return outs
 
         # A fresh request id per attempt: the engine refuses one that is still running, and a retry
         # must not wait on (or be confused with) the request it replaces.
         attempts = itertools.count(1)
 
         def rid() -> str:
-            return f"{task.uid}#{next(attempts)}"
+            return f"{tasks[0].uid}#{next(attempts)}"
 
         return await self._call(generate, None, self.engine_breaker, "engine")
 
     async def _scores(
-        self, task: trajectory_pb2.PromptTask, trajs: Sequence[trajectory_pb2.Trajectory]
+        self, sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]
     ) -> tuple[list[reward_pb2.RewardResult], float]:
         samples = [
             reward_pb2.RewardSample(
                 uid=t.uid,
-                prompt_text=task.prompt_text,
+                prompt_text=delivery.message.prompt_text,
                 prompt_ids=t.prompt_ids,
                 response_text=t.response_text,
                 response_ids=t.response_ids,
-                ground_truth=task.ground_truth,
-                data_source=task.data_source,
-                extra_info_json=task.extra_info_json,
+                ground_truth=delivery.message.ground_truth,
+                data_source=delivery.message.data_source,
+                extra_info_json=delivery.message.extra_info_json,
             )
+            for delivery, trajs in sampled
             for t in trajs
         ]
         t0 = time.monotonic()

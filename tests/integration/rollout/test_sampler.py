@@ -34,7 +34,11 @@ from tests.support.streams import blocked_reads
 class LengthReward(reward_pb2_grpc.RewardServicer):
     """score = response length / 10; a response containing token 13 fails with a per-sample error."""
 
+    def __init__(self):
+        self.calls = []  # samples per call
+
     async def Score(self, request, context):
+        self.calls.append(len(request.samples))
         results = []
         for s in request.samples:
             if 13 in s.response_ids:
@@ -58,8 +62,10 @@ class LengthReward(reward_pb2_grpc.RewardServicer):
 class ModelReference(reference_pb2_grpc.ReferenceServicer):
     def __init__(self, model):
         self.model = model
+        self.calls = []  # samples per call
 
     async def LogProbs(self, request, context):
+        self.calls.append(len(request.samples))
         results = []
         with torch.no_grad():
             for s in request.samples:
@@ -72,6 +78,18 @@ class ModelReference(reference_pb2_grpc.ReferenceServicer):
                     )
                 )
         return reference_pb2.LogProbsResponse(results=results)
+
+
+class CountingEngine(EngineClient):
+    """The real engine client, keeping how many prompts each generate call carried."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.calls = []
+
+    async def generate(self, input_ids, sampling_params, **kw):
+        self.calls.append(len(input_ids) if isinstance(input_ids[0], list) else 1)
+        return await super().generate(input_ids, sampling_params, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +140,7 @@ async def make_sampler(redis_url, engine_url, keys, reward_addr, ref_addr, traj_
     sampler = SamplerLoop(
         prompts=prompt_queue(redis, keys, "replica-1"),
         trajectories=trajectory_queue(redis, keys, "replica-1", maxlen=traj_maxlen),
-        engine=EngineClient(engine_url),
+        engine=CountingEngine(engine_url),
         score=score,
         ref_logprobs=ref,
         settings=SamplerSettings(
@@ -180,15 +198,12 @@ async def running_sampler(stack, reference_model, *, reward_up=True, traj_maxlen
     redis_server, engine = stack
     keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
     reward_port = free_port()
-    servers = [
-        await start_server(
-            ModelReference(reference_model), reference_pb2_grpc.add_ReferenceServicer_to_server, "reference"
-        )
-    ]
+    reference, reward = ModelReference(reference_model), LengthReward()
+    servers = [await start_server(reference, reference_pb2_grpc.add_ReferenceServicer_to_server, "reference")]
     if reward_up:
         servers.append(
             await start_server(
-                LengthReward(), reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=reward_port
+                reward, reward_pb2_grpc.add_RewardServicer_to_server, "reward", port=reward_port
             )
         )
     sampler, redis, chans = await make_sampler(
@@ -204,7 +219,14 @@ async def running_sampler(stack, reference_model, *, reward_up=True, traj_maxlen
     prompts = prompt_queue(redis, keys, "learner")
     await prompts.ensure_group()
     ctx = SimpleNamespace(
-        sampler=sampler, redis=redis, keys=keys, prompts=prompts, reward_port=reward_port, servers=servers
+        sampler=sampler,
+        redis=redis,
+        keys=keys,
+        prompts=prompts,
+        reward_port=reward_port,
+        servers=servers,
+        reward=reward,
+        reference=reference,
     )
     try:
         yield ctx
@@ -241,6 +263,35 @@ async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, r
             await asyncio.sleep(0.02)
 
 
+async def test_one_claim_is_one_wave_one_score_call_and_one_reference_call(stack, reference_model):
+    async with running_sampler(stack, reference_model, claim_block_ms=20_000) as ctx:
+        await eventually(lambda: blocked_reads(ctx.redis), 1, "the sampler to block on the empty stream")
+        await ctx.sampler.pause()
+        greedy = common_pb2.SamplingParams(temperature=0.0)
+        await ctx.prompts.put(
+            [task("w1", n=2), task("w2", n=2, prompt=(8, 9)), task("w3", n=3, sampling_params=greedy)]
+        )
+        ctx.sampler.resume()
+        trajs = await collect(ctx.redis, ctx.keys, 7)
+        assert sorted(t.uid for t in trajs) == [
+            "g-w1/0",
+            "g-w1/1",
+            "g-w2/0",
+            "g-w2/1",
+            "g-w3/0",
+            "g-w3/1",
+            "g-w3/2",
+        ]
+        # Each task's samples came from its own prompt, and the greedy task's from greedy decoding.
+        assert {tuple(t.prompt_ids) for t in trajs if t.group_uid == "g-w2"} == {(8, 9)}
+        assert len({tuple(t.response_ids) for t in trajs if t.group_uid == "g-w3"}) == 1
+        # Two sampling settings: two engine calls (2 prompts, then 1); one Score and one LogProbs
+        # call for all seven samples; the tasks acked together.
+        assert sorted(ctx.sampler.engine.calls) == [1, 2]
+        assert ctx.reward.calls == [7] and ctx.reference.calls == [7]
+        await eventually(ctx.prompts.length, 0, "the tasks to be acked")
+
+
 async def test_a_reward_outage_stalls_trajectories_and_loses_none(stack, reference_model):
     async with running_sampler(stack, reference_model, reward_up=False) as ctx:
         await ctx.prompts.put([task("x", n=2), task("y", n=2)])
@@ -266,9 +317,13 @@ async def test_a_reward_outage_stalls_trajectories_and_loses_none(stack, referen
 
 async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, reference_model):
     async with running_sampler(stack, reference_model) as ctx:
-        await ctx.prompts.put([task("bad", prompt=(5, 100000)), task("good", n=1)])
-        trajs = await collect(ctx.redis, ctx.keys, 1)
-        assert [t.uid for t in trajs] == ["g-good/0"]
+        # "fine" shares the engine call of "bad" (same sampling params): the engine refuses the call,
+        # and only "bad" is lost.
+        await ctx.prompts.put(
+            [task("bad", prompt=(5, 100000)), task("good", n=1), task("fine", prompt=(3, 4))]
+        )
+        trajs = await collect(ctx.redis, ctx.keys, 3)
+        assert sorted(t.uid for t in trajs) == ["g-fine/0", "g-fine/1", "g-good/0"]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while await ctx.redis.xlen(ctx.keys.dead_letters) == 0:
@@ -277,6 +332,7 @@ async def test_a_task_the_engine_refuses_goes_to_dead_letters(stack, reference_m
         ((_, fields),) = await ctx.redis.xrange(ctx.keys.dead_letters)
         assert b"token ids must be integers in [0, 100)" in fields[b"reason"]
         assert trajectory_pb2.PromptTask.FromString(fields[b"p"]).uid == "bad"
+        await eventually(ctx.prompts.length, 0, "the good task to be acked")
 
 
 async def test_pause_and_drain_end_a_blocked_claim_and_nothing_is_claimed_until_resume(
