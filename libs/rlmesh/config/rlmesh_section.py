@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -18,6 +19,7 @@ SERVICE_PORTS: dict[str, tuple[int, int]] = {
 }
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_CPUS = re.compile(r"\s*(\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)?\s*")
 
 
 class ServiceConfig(Section):
@@ -32,11 +34,25 @@ class ServiceConfig(Section):
     )
     timeout_s: float = Field(60.0, gt=0, description="deadline of one call to this service, seconds")
     max_concurrency: int = Field(64, ge=1, description="calls served at once; more wait")
+    cpus: str = Field(
+        "",
+        description="CPU cores its processes run on ('0', '1-3', '0,2'; empty = any): learner and "
+        "generation on separate cores overlap (docs/throughput.md#cpu-placement)",
+    )
 
     @field_validator("addresses", mode="before")
     @classmethod
     def _one_address(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _core_list(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # cpus=1 on a command line is read as a number
+        if isinstance(value, str) and not _CPUS.fullmatch(value):
+            raise ValueError(f"{value!r}: expected core ids like '0', '1-3' or '0,2-3' (empty = any)")
+        return value
 
     def client_addresses(self) -> list[str]:
         """Addresses a client dials: `addresses`, else this service's own host:port.
@@ -65,7 +81,7 @@ class RewardServiceConfig(ServiceConfig):
 
 
 class ReferenceServiceConfig(ServiceConfig):
-    """The reference service: where it listens, and its model."""
+    """The reference policy: where its service listens, its model, or that the learner computes it."""
 
     model_path: str | None = Field(
         None, description="the reference model; null = actor_rollout_ref.model.path (the initial actor)"
@@ -74,9 +90,20 @@ class ReferenceServiceConfig(ServiceConfig):
         None, ge=1, description="padded tokens per forward; null = ref.log_prob_max_token_len_per_gpu"
     )
     max_batch_size: int = Field(1024, ge=1, description="samples per LogProbs call; larger calls are refused")
-    device: str | None = Field(None, description="cpu, cuda, cuda:1, ...; null = cuda when available")
+    device: str | None = Field(
+        None,
+        description="cpu, cuda, cuda:1, ...; null = cuda when available (the service's; a colocated "
+        "reference runs on each learner rank's own device)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="null = bfloat16 on GPU, float32 on CPU"
+    )
+    colocated: bool = Field(
+        False,
+        description="compute the reference log-probs in the learner, as verl's ActorRolloutRefWorker "
+        "does: each rank loads the reference model once and scores its share of every batch at the "
+        "start of the step; no reference service is started and replicas call none (the log-probs "
+        "trajectories carry are ignored). false = the reference service, for scale-out",
     )
 
 

@@ -20,6 +20,7 @@ from rlmesh.learner.commands import RankZeroLost, follow
 from rlmesh.learner.dist import shutdown_distributed
 from rlmesh.learner.loop import TrainingLoop
 from rlmesh.learner.trainer import PPOTrainer
+from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.entry import limit_torch_threads, service_arg_parser
 from rlmesh.runtime.launcher import local_rendezvous, with_parent_death_signal
 from rlmesh.runtime.logs import configure_logging
@@ -67,6 +68,7 @@ def follower_main(argv: Sequence[str]) -> int:
         print(f"rlmesh learner: invalid configuration:\n{e}", file=sys.stderr)
         return 2
     rank = os.environ.get("RANK")
+    apply_cpu_affinity(cfg.rlmesh.learner.cpus, "rlmesh.learner.cpus")  # rank 0 checked it
     set_torch_threads(cfg)
     configure_logging(f"learner-rank{rank}", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
     parent = os.getppid()

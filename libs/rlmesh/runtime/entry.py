@@ -12,6 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 from rlmesh.config import ConfigError, RLMeshConfig, load_config
+from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.server import GrpcService
 
@@ -53,6 +54,11 @@ def service_main(
         return 2
     section = getattr(cfg.rlmesh, name)
     configure_logging(name, cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
+    try:
+        apply_cpu_affinity(section.cpus, f"rlmesh.{name}.cpus")
+    except ValueError as e:
+        print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
 
     async def run() -> int:
         service = GrpcService(

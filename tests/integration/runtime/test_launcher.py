@@ -135,3 +135,25 @@ def test_secret_overrides_reach_the_child_but_not_its_argv_or_any_log(tmp_path, 
         service_log = svc.process.log_path.read_text()
     assert "started reward" in caplog.text and token not in caplog.text
     assert token not in service_log
+
+
+def test_a_service_runs_on_the_cores_its_cpus_key_names(tmp_path):
+    core = max(os.sched_getaffinity(0))
+    with ProcessLauncher(tmp_path) as launcher:
+        svc = launcher.start_service(
+            "reward",
+            overrides=["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0", f"rlmesh.reward.cpus={core}"],
+        )
+        assert os.sched_getaffinity(svc.process.pid) == {core}
+        launcher.stop(svc.process)
+
+
+def test_a_service_given_cores_it_cannot_use_exits_2_naming_the_key(tmp_path):
+    with ProcessLauncher(tmp_path) as launcher:
+        with pytest.raises(LaunchError, match="exited with code 2") as failed:
+            launcher.start_service(
+                "reward",
+                overrides=["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0", "rlmesh.reward.cpus=4096"],
+                timeout_s=60,
+            )
+        assert "rlmesh.reward.cpus='4096'" in failed.value.log_path.read_text()
