@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from rlmesh.engine.batching import BatchEngine
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
 
 class EngineMetrics:
     def __init__(self) -> None:
@@ -17,6 +19,12 @@ class EngineMetrics:
         self.tokens = Counter("rlmesh_engine_generated_tokens", "Tokens generated", registry=registry)
         self.prompt_tokens = Counter(
             "rlmesh_engine_prompt_tokens", "Prompt tokens prefilled", registry=registry
+        )
+        self.batch_size = Histogram(
+            "rlmesh_engine_generate_batch_size",
+            "sequences per /generate call answered (its count: the calls)",
+            registry=registry,
+            buckets=BATCH_BUCKETS,
         )
         self.latency = Histogram(
             "rlmesh_engine_request_latency_seconds",

@@ -68,6 +68,7 @@ async def generate(req: Request) -> Any:
     metrics.prompt_tokens.inc(sum(map(len, prompts)) * params.n)
     outs = render(state, request, bool(body.get("return_logprob")))
     metrics.tokens.inc(sum(o["meta_info"]["completion_tokens"] for o in outs))
+    metrics.batch_size.observe(len(outs))
     for o in outs:
         metrics.requests.labels(o["meta_info"]["finish_reason"]["type"]).inc()
     metrics.latency.observe(time.perf_counter() - request.created)

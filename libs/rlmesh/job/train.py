@@ -151,13 +151,15 @@ def run_job(
     *,
     service_dir: Path | None = None,
     say: Say | None = None,
+    after_start: Callable[[Any], None] | None = None,
     before_stop: Callable[[Any], None] | None = None,
 ) -> JobResult:
     """Starts the stack, follows the learner until it exits, stops everything.
 
-    ``before_stop(stack)`` runs while the services are still up (benchmarks read their counters
-    there). A service that exits while the learner runs is restarted (``Supervisor``); one over its
-    restart budget, or that does not come back, fails the job, named in ``failure``.
+    ``after_start(stack)`` runs once every service is up, ``before_stop(stack)`` while they still
+    are (benchmarks read their counters from one to the other). A service that exits while the
+    learner runs is restarted (``Supervisor``); one over its restart budget, or that does not come
+    back, fails the job, named in ``failure``.
     """
     import grpc
 
@@ -194,6 +196,8 @@ def run_job(
             return result
         learner = stack.learner
         assert learner is not None
+        if after_start is not None:
+            after_start(stack)
         total, announced = cfg.trainer.total_training_steps or 0, ""
         first: int | None = None  # the step this run started after (> 0 when it resumed)
         started = time.monotonic()

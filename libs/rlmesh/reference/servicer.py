@@ -113,6 +113,7 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
                 raise
             self.metrics.compute_seconds.observe(time.perf_counter() - started)
         self.metrics.samples.inc(len(samples))
+        self.metrics.batch_size.observe(len(samples))
         self.metrics.tokens.inc(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         return reference_pb2.LogProbsResponse(
             results=[

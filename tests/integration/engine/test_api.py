@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
+from rlmesh.job.report import metric_sum
 
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [80, 81, 82, 83, 84, 85, 86], [42]]
 
@@ -238,6 +239,21 @@ def test_control_endpoints(engine):
     assert post(engine, "/get_weights_by_name", {"name": "nope"}).status_code == 400
     metrics = httpx.get(engine.url + "/metrics").text
     assert "rlmesh_engine_generated_tokens_total" in metrics
+
+
+def test_metrics_count_generate_calls_and_their_sequences(engine):
+    def calls_and_sequences():
+        text = httpx.get(engine.url + "/metrics").text
+        return metric_sum(text, "rlmesh_engine_generate_batch_size_count"), metric_sum(
+            text, "rlmesh_engine_generate_batch_size_sum"
+        )
+
+    calls, sequences = calls_and_sequences()
+    one = {"max_new_tokens": 2, "ignore_eos": True}
+    assert post(engine, "/generate", {"input_ids": PROMPTS[0], "sampling_params": one}).status_code == 200
+    batched = {"input_ids": PROMPTS[:3], "sampling_params": {**one, "n": 2}}
+    assert post(engine, "/generate", batched).status_code == 200
+    assert calls_and_sequences() == (calls + 2, sequences + 1 + 6)  # 1 call of 1, 1 of 3 prompts x 2
 
 
 async def test_paused_engine_holds_requests_and_abort_ends_them(engine):

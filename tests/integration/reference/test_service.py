@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.config import load_config
+from rlmesh.job.report import metric_sum
 from rlmesh.reference import ReferenceClient
 from rlmesh.reward import ServiceCallError
 from rlmesh.runtime.busy import union_seconds
@@ -104,6 +105,22 @@ async def test_get_info_and_metrics_say_when_the_forwards_ran(reference):
     metrics = scrape_metrics(reference.grpc_address.rsplit(":", 1)[0], reference.metrics_port)
     line = next(ln for ln in metrics.splitlines() if ln.startswith("rlmesh_reference_busy_seconds_total"))
     assert float(line.split()[-1]) >= after.busy_s
+
+
+async def test_metrics_count_log_probs_calls_and_their_samples(reference):
+    def counts():
+        text = scrape_metrics(reference.grpc_address.rsplit(":", 1)[0], reference.metrics_port)
+        return (
+            metric_sum(text, "rlmesh_rpc_requests_total", method="/rlmesh.v1.Reference/LogProbs"),
+            metric_sum(text, "rlmesh_reference_batch_size_count"),
+            metric_sum(text, "rlmesh_reference_batch_size_sum"),
+        )
+
+    rpcs, calls, samples = counts()
+    async with ReferenceClient([reference.grpc_address], timeout_s=60) as client:
+        await client.log_probs_of([[1, 2, 3]] * 5, [[4, 5]] * 5)
+        await client.log_probs_of([[1, 2]], [[3]])
+    assert counts() == (rpcs + 2, calls + 2, samples + 6)
 
 
 async def test_malformed_requests_get_invalid_argument_naming_the_problem(reference):

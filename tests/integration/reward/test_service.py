@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from rlmesh.config import load_config
+from rlmesh.job.report import metric_sum
 from rlmesh.models import build_tokenizer
 from rlmesh.queue import connect
 from rlmesh.reward import RewardClient, ServiceCallError, get_reward_addresses, set_reward_addresses
@@ -129,6 +130,10 @@ async def test_a_user_function_by_dotted_path_scores_and_its_failures_stay_per_s
     assert f'rlmesh_reward_sample_errors_total{{function="{FUNCTION}",reason="timeout"}} 1.0' in metrics
     assert f'rlmesh_reward_samples_total{{function="{FUNCTION}"}} 10.0' in metrics
     assert "rlmesh_reward_score_bucket" in metrics
+    # Calls and samples per call: three Score calls of 6, 2 and 2 samples.
+    assert metric_sum(metrics, "rlmesh_rpc_requests_total", method="/rlmesh.v1.Reward/Score") == 3
+    assert metric_sum(metrics, "rlmesh_reward_batch_size_count") == 3
+    assert metric_sum(metrics, "rlmesh_reward_batch_size_sum") == 10
 
 
 async def test_malformed_requests_get_invalid_argument_naming_the_problem(custom):
