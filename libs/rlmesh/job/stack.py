@@ -159,7 +159,9 @@ def start_stack(
     Attaches instead of starting where the config points at something running: Redis when
     ``rlmesh.redis_url`` is given, reward / reference when ``rlmesh.<svc>.addresses`` lists them,
     rollout replicas when ``rlmesh.rollout.replicas`` is 0 (those registered in Redis serve).
-    ``rlmesh.rollout.replicas`` replicas are started otherwise; the learner always is.
+    ``rlmesh.rollout.replicas`` replicas are started otherwise; the learner always is. With
+    ``rlmesh.reference.colocated`` no reference service is started or attached: the learner
+    computes the reference log-probs itself.
     """
     from rlmesh.config import given_keys, load_config
 
@@ -196,7 +198,10 @@ def start_stack(
 
     for service in ("reward", "reference"):
         given = getattr(cfg.rlmesh, service).addresses
-        if given:
+        if service == "reference" and cfg.rlmesh.reference.colocated:
+            if service in services:
+                say(f"{service:<12} colocated in the learner (rlmesh.reference.colocated): not started")
+        elif given:
             stack.attached[service] = list(given)
             say(f"{service:<12} {', '.join(given)} (given: not started here)")
         elif service in services:

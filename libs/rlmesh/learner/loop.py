@@ -148,6 +148,10 @@ class TrainingLoop:
         self.feeder: PromptFeeder | None = None
         self.pusher: WeightPusher | None = None
         self.reward: RewardClient | None = None
+        # Whether the trajectories must carry the reference log-probs (the service's, through the
+        # replicas). A colocated reference recomputes them in the trainer: whatever a trajectory
+        # carries (a replica of an older config) is ignored.
+        self._ref_from_replicas = cfg.uses_reference() and not cfg.rlmesh.reference.colocated
 
     # ----- setup -----
     async def _connect(self) -> None:
@@ -203,7 +207,7 @@ class TrainingLoop:
             n=rollout.n,
             incarnation=self.incarnation,
             max_staleness=cfg.rlmesh.max_staleness,
-            validate=functools.partial(validate_trajectory, needs_ref=cfg.uses_reference()),
+            validate=functools.partial(validate_trajectory, needs_ref=self._ref_from_replicas),
             wanted=lambda gid: gid in self.feeder.outstanding,
         )
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
@@ -462,7 +466,7 @@ class TrainingLoop:
 
         st.phase = "TRAINING"
         batch = build_batch(
-            collected.trajectories, self.tokenizer.pad_token_id, with_ref=self.cfg.uses_reference()
+            collected.trajectories, self.tokenizer.pad_token_id, with_ref=self._ref_from_replicas
         )
         hparams, st.pending_hparams = st.pending_hparams, {}
         if "kl_coef" in hparams:

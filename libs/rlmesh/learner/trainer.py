@@ -4,6 +4,7 @@ docs/design.md#one-ppo-step-as-data and docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from rlmesh.config.secrets import redact_url
 from rlmesh.learner import checkpoint
 from rlmesh.learner.actor import DeepSpeedPPOActor
 from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics
+from rlmesh.learner.colocated_reference import ColocatedReference, colocated_reference
 from rlmesh.learner.critic import DeepSpeedPPOCritic
 from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
@@ -54,6 +56,8 @@ class PPOTrainer:
         actor: :class:`DeepSpeedPPOActor` (its DeepSpeed engine is ``actor.engine``).
         critic: :class:`DeepSpeedPPOCritic`, or None without a critic.
         kl_ctrl: the KL-in-reward controller used when :meth:`train_step` is given none.
+        reference: the colocated reference (``rlmesh.reference.colocated``), or None: the
+            batch's own ``ref_log_probs`` (from the reference service) are used.
         global_steps: training steps done (restored by :meth:`load_checkpoint`).
     """
 
@@ -133,6 +137,8 @@ class PPOTrainer:
                 device=self.device,
             )
 
+        # Frozen and outside DeepSpeed: rebuilt from its path, never checkpointed.
+        self.reference: ColocatedReference | None = colocated_reference(config, self.device)
         self.kl_ctrl = get_kl_controller(self.algo_cfg.kl_ctrl)
         self._pending_kl_coef: float | None = None
         self.global_steps = 0
@@ -173,7 +179,8 @@ class PPOTrainer:
         entropy, grad_norm, lr, kl_loss}``, ``critic/{vf_loss, vf_clipfrac, grad_norm, lr}``,
         ``critic/{score, rewards, advantages, returns, values}/{mean, max, min}``,
         ``actor/reward_kl_penalty{,_coeff}`` (KL in the reward), ``response_length/{mean, clip_ratio}``,
-        ``timing_s/{old_log_prob, values, adv, update_critic, update_actor}`` (seconds) with
+        ``timing_s/{ref, old_log_prob, values, adv, update_critic, update_actor}`` (seconds; ``ref``
+        with a colocated reference only) with
         ``timing_start/*`` (when each began, Unix seconds), ``rollout_corr/*``,
         ``training/rollout_logprob_abs_diff``, and ``{actor,critic}/skipped_steps`` (this step),
         ``training/skipped_steps`` (the run).
@@ -186,7 +193,8 @@ class PPOTrainer:
 
         Raises:
             BatchError: a non-finite score, a token id outside the vocabulary, or no reference
-                log-probs while a KL term needs them; nothing is trained then.
+                log-probs while a KL term needs them and no reference is colocated; nothing is
+                trained then.
         """
         self._check_batch(batch)
         kl_ctrl = self.kl_ctrl if kl_ctrl is None else kl_ctrl
@@ -194,6 +202,9 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         mask = batch.response_mask
 
+        if self.reference is not None:  # colocated: always recomputed, whatever the batch carries
+            with self._timed(timing, "ref"):
+                batch = dataclasses.replace(batch, ref_log_probs=self.reference.log_probs(batch))
         with self._timed(timing, "old_log_prob"):
             old_log_probs, entropys = self.compute_log_prob(batch)
             metrics["actor/entropy"] = agg_loss(entropys, mask, self.actor.config.loss_agg_mode).item()
@@ -258,7 +269,8 @@ class PPOTrainer:
         if outside.any():
             uid = batch.uids[int(outside.nonzero()[0])]
             raise BatchError(uid, "token ids", f"outside the model's vocabulary of {self.vocab_size}")
-        if (self.algo_cfg.use_kl_in_reward or self.actor.config.use_kl_loss) and batch.ref_log_probs is None:
+        needs_ref = self.algo_cfg.use_kl_in_reward or self.actor.config.use_kl_loss
+        if needs_ref and batch.ref_log_probs is None and self.reference is None:
             raise BatchError(
                 batch.uids[0], "ref_log_probs", "required by algorithm.use_kl_in_reward / actor.use_kl_loss"
             )

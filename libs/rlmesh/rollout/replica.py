@@ -141,7 +141,9 @@ class RolloutReplica:
         launcher = ProcessLauncher(stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s)
         engine = await start_replica_engine(cfg, launcher, replica_id)
         reward = RewardClient.from_config(cfg, redis=redis)
-        reference = ReferenceClient.from_config(cfg) if cfg.uses_reference() else None
+        # A colocated reference is the learner's: no service to call, trajectories carry none.
+        colocated = cfg.rlmesh.reference.colocated
+        reference = ReferenceClient.from_config(cfg) if cfg.uses_reference() and not colocated else None
         settings = sampler_settings(cfg, replica_id)
         queue_kw = {
             "max_deliveries": cfg.rlmesh.queue.max_deliveries,

@@ -1,0 +1,48 @@
+"""What ``start_stack`` starts for a config, with a launcher that records instead of starting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rlmesh.job.stack import start_stack
+from rlmesh.runtime.launcher import ServiceInstance
+
+REDIS = "rlmesh.redis_url=redis://127.0.0.1:1/0"  # given: no Redis is started
+
+
+class RecordingLauncher:
+    def __init__(self) -> None:
+        self.started: list[tuple[str, str, list[str]]] = []
+
+    def start_service(self, service, *, name, config_path, overrides, timeout_s):
+        self.started.append((service, name, list(overrides)))
+        process = SimpleNamespace(pid=1000 + len(self.started))
+        return ServiceInstance(process, name, f"127.0.0.1:{6000 + len(self.started)}", None)
+
+
+def stack_of(*overrides: str) -> tuple[list[str], list[str], list[str]]:
+    """Names started, lines said, and the overrides every service was given."""
+    launcher, said = RecordingLauncher(), []
+    stack = start_stack(launcher, None, [REDIS, *overrides], say=said.append)
+    return [name for _, name, _ in launcher.started], said, stack.overrides
+
+
+@pytest.mark.parametrize(
+    "kl", ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true"]
+)
+def test_a_colocated_reference_starts_no_reference_service(kl):
+    names, said, overrides = stack_of(kl, "rlmesh.reference.colocated=true")
+    assert names == ["reward", "rollout-0", "learner"]
+    assert any(line.startswith("reference") and "colocated in the learner" in line for line in said), said
+    assert not any(o.startswith("rlmesh.reference.addresses") for o in overrides)
+    # Given addresses change nothing: the learner computes the log-probs itself.
+    names, _, overrides = stack_of(kl, "rlmesh.reference.colocated=true", "rlmesh.reference.addresses=[h:1]")
+    assert names == ["reward", "rollout-0", "learner"]
+
+
+def test_the_reference_service_is_the_default():
+    names, _, overrides = stack_of("algorithm.use_kl_in_reward=true")
+    assert names == ["reward", "reference", "rollout-0", "learner"]
+    assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in overrides
