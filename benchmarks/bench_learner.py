@@ -1,7 +1,9 @@
-"""Learner throughput under DeepSpeed ZeRO 0-3 against a plain torch training loop.
+"""Learner throughput under DeepSpeed ZeRO 0-3 against a plain torch training loop, and the time of
+each phase of a demo-shaped PPO step.
 
 Run: ``python benchmarks/bench_learner.py [--hidden 256] [--layers 4] [--batch 8] [--seq 128]
-[--iters 5] [--stages 0,1,2,3] [--dtype float32]``
+[--iters 5] [--stages 0,1,2,3] [--dtype float32]``, or ``--ppo-step`` for the PPO step alone
+(``make bench-learner`` runs both).
 
 For the actor (causal LM, the learner's log-prob path) and the critic (token-classification value
 model), on one rank and the same model and batch: tokens/s of forward + backward + optimizer step
@@ -11,6 +13,16 @@ actor's full weights for a push (``named_weights_for_push``, 64 MiB buckets) per
 
 The first iteration of each measurement is a warm-up and is not timed. Set ``OMP_NUM_THREADS``
 before running (default 1, as every rlmesh process).
+
+PPO step (``--ppo-step [--steps 8] [--threads 1] [override ...]``): ``PPOTrainer.train_step`` with
+the demo's config (``examples/cpu_demo.yaml``: 32 prompts x 4 samples, 2 mini-batches, GAE, KL in
+the reward) on the demo's model shape (a random-init Qwen2, hidden 128, 2 layers, the demo's
+tokenizer) and the demo's arithmetic prompts, responses of 2-12 tokens (most 5, the demo's answer
+length). Two trainers from the same weights train on the same batches, step by step in turn: one
+running each prompt once for all its samples (``share_prompts``, the default), one in the padded
+layout. It prints the median seconds (wall and CPU) of each phase of both, the ratio, and the
+largest difference between their metrics. Overrides are the config's (``key=value``), e.g.
+``critic.model.enable_gradient_checkpointing=false``.
 """
 
 from __future__ import annotations
@@ -97,6 +109,114 @@ def deepspeed_step_time(engine, loss_fn, mb: MicroBatch, iters: int) -> float:
     return time_steps(step, iters)
 
 
+PPO_PHASES = ("old_log_prob", "values", "adv", "update_critic", "update_actor")
+
+
+def demo_batches(workdir: str, steps: int, seed: int = 0) -> tuple[str, list]:
+    """The demo's model shape (random weights) under ``workdir``, and ``steps`` demo-shaped batches."""
+    import random
+    from pathlib import Path
+
+    from rlmesh.data import RLHFDataset, format_arithmetic_solution, generate_arithmetic
+    from rlmesh.job.demo import DEMO_WORDS
+    from rlmesh.learner import build_batch
+    from rlmesh.models.tokenizer import load_tokenizer
+    from rlmesh.v1.trajectory_pb2 import Trajectory
+
+    model = Path(workdir) / "model"
+    build_tiny_model(model, build_tokenizer(words=DEMO_WORDS), hidden_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, seed=seed)  # fmt: skip
+    data = Path(workdir) / "data"
+    generate_arithmetic(data, seed, train_size=2100, val_size=200, dev_size=200, min_terms=2, max_terms=2,
+                        max_operand=49, ops="+")  # fmt: skip
+    tokenizer = load_tokenizer(model)
+    items = RLHFDataset(str(data / "train.parquet"), tokenizer, max_prompt_length=64).items
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    batches = []
+    for step in range(steps):
+        trajectories = []
+        for g in range(32):
+            item = items[rng.randrange(len(items))]
+            answer = tokenizer.encode(format_arithmetic_solution(item.ground_truth) + tokenizer.eos_token,
+                                      add_special_tokens=False)  # fmt: skip
+            for k in range(4):
+                if rng.random() < 0.8:  # the answer's shape, right or wrong
+                    response = answer[:1] + [rng.randrange(vocab) for _ in answer[1:-1]] + answer[-1:]
+                else:  # a sampled ramble, up to the demo's max_response_length
+                    response = [rng.randrange(vocab) for _ in range(rng.randint(2, 12))]
+                t = Trajectory(uid=f"{step}/{g}/{k}", group_uid=f"{step}/{g}", prompt_ids=item.prompt_ids,
+                               response_ids=response, score=float(rng.random() < 0.3), policy_version=step,
+                               data_source="arithmetic")  # fmt: skip
+                t.rollout_log_probs.extend(-rng.uniform(0.0, 3.0) for _ in response)
+                t.ref_log_probs.extend(-rng.uniform(0.0, 3.0) for _ in response)
+                trajectories.append(t)
+        batches.append(build_batch(trajectories, tokenizer.pad_token_id, with_ref=True))
+    return str(model), batches
+
+
+def ppo_step(steps: int, threads: int, overrides: list[str]) -> None:
+    """Per-phase times of the demo's PPO step, prompts shared and padded, in turn; see the module doc."""
+    import statistics
+    from pathlib import Path
+
+    from rlmesh.config import load_config
+    from rlmesh.learner import PPOTrainer
+
+    torch.set_num_threads(threads)
+    warmup = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        model, batches = demo_batches(tmp, warmup + steps)
+        demo_yaml = Path(__file__).resolve().parents[1] / "examples" / "cpu_demo.yaml"
+        cfg = load_config(demo_yaml, [f"actor_rollout_ref.model.path={model}", *overrides])
+        variants = {"shared": True, "padded": False}
+        trainers = {}
+        for name, share in variants.items():
+            trainer = PPOTrainer(cfg, total_training_steps=280)
+            trainer.actor.share_prompts = share
+            if trainer.critic is not None:
+                trainer.critic.share_prompts = share
+            trainers[name] = trainer
+        wall = {name: {k: [] for k in (*PPO_PHASES, "step")} for name in variants}
+        cpu = {name: [] for name in variants}
+        worst: dict[str, tuple[float, float, float]] = {}  # metric: (relative difference, padded, shared)
+        tokens = [int(b.attention_mask.sum()) for b in batches]
+        print(
+            f"PPO step: demo config, {len(batches[0])} sequences of {statistics.mean(tokens) / len(batches[0]):.1f} "
+            f"tokens on average (padded to {batches[0].input_ids.shape[1]}); torch threads {threads}; "
+            f"{steps} steps after {warmup} warm-up; overrides {overrides or 'none'}",
+            flush=True,
+        )
+        for i, batch in enumerate(batches):
+            metrics = {}
+            for name in variants if i % 2 == 0 else reversed(list(variants)):
+                c0, t0 = time.process_time(), time.perf_counter()
+                metrics[name] = trainers[name].train_step(batch)
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                if i >= warmup:
+                    for k in PPO_PHASES:
+                        wall[name][k].append(metrics[name].get(f"timing_s/{k}", 0.0))
+                    wall[name]["step"].append(dt)
+                    cpu[name].append(dc)
+            for k, v in metrics["padded"].items():
+                if not k.startswith("timing"):
+                    d = abs(metrics["shared"][k] - v) / max(abs(v), 1e-3)
+                    if d >= worst.get(k, (-1.0,))[0]:
+                        worst[k] = (d, v, metrics["shared"][k])
+        print(f"{'phase (median s)':<18}" + "".join(f"{n:>10}" for n in variants) + f"{'ratio':>8}")
+        for k in (*PPO_PHASES, "step"):
+            a, b = (statistics.median(wall[n][k]) for n in variants)
+            print(f"{k:<18}{a:>10.3f}{b:>10.3f}{b / a if a else float('nan'):>8.2f}")
+        a, b = (statistics.median(cpu[n]) for n in variants)
+        print(f"{'step (CPU s)':<18}{a:>10.3f}{b:>10.3f}{b / a:>8.2f}")
+        key = max(worst, key=lambda k: worst[k][0])
+        d, v, w = worst[key]
+        print(
+            f"largest metric difference, shared vs padded: {d:.1e} of max(|value|, 1e-3) ({key}: {v:.6g} vs {w:.6g})",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -106,7 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--ppo-step", action="store_true", help="only the demo-shaped PPO step")
+    parser.add_argument("--steps", type=int, default=8, help="timed PPO steps (--ppo-step)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the PPO step")
+    parser.add_argument("overrides", nargs="*", help="config overrides of the PPO step (key=value)")
     args = parser.parse_args(argv)
+    if args.ppo_step:
+        init_distributed()
+        ppo_step(args.steps, args.threads, args.overrides)
+        return 0
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     stages = [int(s) for s in args.stages.split(",")]
 
@@ -153,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nrole    stage  plain tok/s  deepspeed tok/s  overhead")
         for role, stage, plain_tps, ds_tps, ratio in rows:
             print(f"{role:<7} {stage:>5}  {plain_tps:>11,.0f}  {ds_tps:>15,.0f}  x{ratio:.2f}")
+    print()
+    ppo_step(args.steps, args.threads, args.overrides)
     return 0
 
 

@@ -37,6 +37,8 @@ class DeepSpeedPPOActor:
     norm_len: the constant length of ``seq-mean-token-sum-norm``.
     seed: the shuffle seed.
     device: where micro-batches go.
+    share_prompts: run a prompt once for all its samples in a micro-batch where that costs less
+        (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class DeepSpeedPPOActor:
         norm_len: int,
         seed: int,
         device: torch.device,
+        share_prompts: bool = True,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -62,6 +65,7 @@ class DeepSpeedPPOActor:
         self.entropy_coeff = float(config.entropy_coeff)
         self.kl_loss_coef = float(config.kl_loss_coef)
         self.skipped_steps = 0
+        self.share_prompts = share_prompts
 
     def compute_log_prob(
         self,
@@ -74,7 +78,9 @@ class DeepSpeedPPOActor:
         response."""
 
         def fn(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-            log_probs, entropy = actor_forward(self.engine, mb, self.temperature, calculate_entropy=True)
+            log_probs, entropy = actor_forward(
+                self.engine, mb, self.temperature, calculate_entropy=True, share_prompts=self.share_prompts
+            )
             assert entropy is not None
             return log_probs, entropy
 
@@ -121,7 +127,7 @@ class DeepSpeedPPOActor:
         nonfinite = False
 
         def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return actor_forward(self.engine, mb, self.temperature, calculate_entropy)
+            return actor_forward(self.engine, mb, self.temperature, calculate_entropy, self.share_prompts)
 
         for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width

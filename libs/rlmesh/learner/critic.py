@@ -28,7 +28,8 @@ __all__ = ["DeepSpeedPPOCritic"]
 
 class DeepSpeedPPOCritic:
     """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
-    the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device."""
+    the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device, and
+    ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s)."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class DeepSpeedPPOCritic:
         norm_len: int,
         seed: int,
         device: torch.device,
+        share_prompts: bool = True,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
@@ -49,6 +51,7 @@ class DeepSpeedPPOCritic:
         self.seed = seed
         self.device = device
         self.skipped_steps = 0
+        self.share_prompts = share_prompts
 
     def compute_values(self, batch: PPOBatch) -> torch.Tensor:
         """Values ``(bs, R)``, zero past each response (as verl), no grad; micro-batches of
@@ -56,7 +59,7 @@ class DeepSpeedPPOCritic:
         cfg = self.config
 
         def fn(mb: MicroBatch) -> tuple[torch.Tensor]:
-            return (critic_forward(self.engine, mb),)
+            return (critic_forward(self.engine, mb, self.share_prompts),)
 
         plan = micro_batch_plan(
             batch,
@@ -83,7 +86,7 @@ class DeepSpeedPPOCritic:
         nonfinite = False
 
         def forward(mb: MicroBatch) -> tuple[torch.Tensor]:
-            return (critic_forward(self.engine, mb),)
+            return (critic_forward(self.engine, mb, self.share_prompts),)
 
         for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
