@@ -11,12 +11,13 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak clean
+.PHONY: help venv lock redis-server demo demo-seeds test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
 	@echo "make test    run the whole test suite (what CI runs)"
 	@echo "make lint    ruff;  make protos  regenerate gRPC code;  make bench  benchmarks"
+	@echo "make bench-peer  TRL 1.12's PPO and rlmesh on one task (PEER_ARGS='--steps 100 --seed 0')"
 
 # torch goes in first and alone, pinned, so nothing afterwards can pull a CUDA build;
 # every later install is constrained to the same version.
@@ -102,7 +103,22 @@ bench-learner: venv
 bench-algo: venv
 	$(BIN)/python benchmarks/bench_logprobs.py
 
+# TRL's PPOTrainer (trl 1.12.0, the last release with PPO) in its own venv, then rlmesh, on one task
+# from one SFT checkpoint: wall times, accuracies, the ratio (about 30 minutes on 2 cores).
+# Options: PEER_ARGS='--steps 100 --seed 0 --runs trl,trl-knobs,fast' (python benchmarks/bench_peer.py -h).
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed: constraints.txt
+	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q -c constraints.txt trl==1.12.0
+	@$(TRL_VENV)/bin/python -c "import torch, trl; assert torch.__version__.startswith('2.13.0') and trl.__version__ == '1.12.0', (torch.__version__, trl.__version__)"
+	@touch $@
+
+bench-peer: venv redis-server $(TRL_VENV)/.installed
+	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
+
 bench-all: bench-queue bench-rollout bench-score bench-learner bench-algo bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache .hypothesis
