@@ -139,6 +139,13 @@ class LearnerServiceConfig(ServiceConfig):
         "Synchronous runs (max_staleness 0) leave the replicas idle while the learner trains: on a small "
         "CPU machine give the learner the cores",
     )
+    overlap_phases: bool = Field(
+        True,
+        description="with one learner rank, run a step's independent phases side by side, each in a "
+        "thread with its share of torch_threads: the reference, old-log-prob and value forwards, then "
+        "the critic's update beside the actor's (as verl's split placement does on separate devices). "
+        "Several ranks always run them in order",
+    )
 
 
 def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:

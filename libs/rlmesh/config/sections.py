@@ -236,8 +236,11 @@ class RolloutCorrectionConfig(Section):
     rollout_is_batch_normalize: bool = Field(False, description="rescale IS weights to mean 1 per batch")
     rollout_rs: None = Field(None, description="rejection sampling; not implemented in rlmesh, must be null")
     rollout_rs_threshold: Any = compat(None)
-    bypass_mode: Literal[False] = Field(
-        False, description="verl's bypass mode; not implemented in rlmesh, must be false"
+    bypass_mode: bool = Field(
+        False,
+        description="use the rollout's log-probs as the old log-probs and skip the actor's "
+        "recompute pass (verl's bypass mode; TRL's PPO does the same): every trajectory must carry "
+        "them. The IS correction then has nothing to correct and is off",
     )
     loss_type: Any = compat("ppo_clip")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +35,7 @@ from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
 from rlmesh.learner.forward import greedy_generate
 from rlmesh.learner.hf_dir import write_hf_dir
 from rlmesh.learner.models import hf_model, load_actor_model, load_critic_model
+from rlmesh.learner.overlap import Phase, PhaseRunner
 from rlmesh.learner.schedule import build_lr_scheduler, set_base_lr
 from rlmesh.learner.weight_buckets import iter_weight_buckets
 
@@ -142,6 +143,9 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(self.algo_cfg.kl_ctrl)
         self._pending_kl_coef: float | None = None
         self.global_steps = 0
+        self.bypass_mode = self.algo_cfg.rollout_correction.bypass_mode
+        # Threads side by side only in a group of one: ranks must issue collectives in one order.
+        self.phases = PhaseRunner(config.rlmesh.learner.overlap_phases and self.dp_size == 1)
 
     @property
     def skipped_steps(self) -> int:
@@ -202,16 +206,26 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         mask = batch.response_mask
 
-        if self.reference is not None:  # colocated: always recomputed, whatever the batch carries
-            with self._timed(timing, "ref"):
-                batch = dataclasses.replace(batch, ref_log_probs=self.reference.log_probs(batch))
-        with self._timed(timing, "old_log_prob"):
-            old_log_probs, entropys = self.compute_log_prob(batch)
+        # Independent forwards, side by side with one rank (rlmesh.learner.overlap_phases).
+        forwards: dict[str, Callable[[], Any]] = {}
+        reference = self.reference
+        if reference is not None:  # colocated: always recomputed, whatever the batch carries
+            forwards["ref"] = lambda: reference.log_probs(batch)
+        if not self.bypass_mode:
+            forwards["old_log_prob"] = lambda: self.compute_log_prob(batch)
+        critic = self.critic
+        if critic is not None:
+            forwards["values"] = lambda: critic.compute_values(batch)
+        done = self.phases.run(forwards)
+        _record(timing, done)
+        if "ref" in done:
+            batch = dataclasses.replace(batch, ref_log_probs=done["ref"].result)
+        if self.bypass_mode:  # the sampling policy's own log-probs; checked present by _check_batch
+            old_log_probs = batch.rollout_log_probs
+        else:
+            old_log_probs, entropys = done["old_log_prob"].result
             metrics["actor/entropy"] = agg_loss(entropys, mask, self.actor.config.loss_agg_mode).item()
-        values = None
-        if self.critic is not None:
-            with self._timed(timing, "values"):
-                values = self.critic.compute_values(batch)
+        values = done["values"].result if "values" in done else None
 
         with self._timed(timing, "adv"):
             token_level_rewards = batch.token_level_scores
@@ -225,7 +239,9 @@ class PPOTrainer:
                 )  # fmt: skip
                 metrics["actor/reward_kl_penalty"] = current_kl
                 metrics["actor/reward_kl_penalty_coeff"] = beta
-            rollout_is_weights, corr_metrics = self._rollout_correction(batch, old_log_probs)
+            rollout_is_weights, corr_metrics = (
+                (None, {}) if self.bypass_mode else self._rollout_correction(batch, old_log_probs)
+            )
             metrics.update(corr_metrics)
             advantages, returns = compute_advantage(
                 self.algo_cfg.adv_estimator,
@@ -238,17 +254,18 @@ class PPOTrainer:
                 norm_adv_by_std_in_grpo=self.algo_cfg.norm_adv_by_std_in_grpo,
             )
 
-        if self.critic is not None:
+        updates: dict[str, Callable[[], dict[str, float]]] = {}
+        if critic is not None:
             assert values is not None
-            with self._timed(timing, "update_critic"):
-                metrics.update(self.critic.update_critic(batch, values, returns, self.global_steps))
+            updates["update_critic"] = lambda: critic.update_critic(batch, values, returns, self.global_steps)
         if update_actor:
-            with self._timed(timing, "update_actor"):
-                metrics.update(
-                    self.actor.update_policy(
-                        batch, old_log_probs, advantages, rollout_is_weights, self.global_steps
-                    )
-                )
+            updates["update_actor"] = lambda: self.actor.update_policy(
+                batch, old_log_probs, advantages, rollout_is_weights, self.global_steps
+            )
+        done = self.phases.run(updates)
+        _record(timing, done)
+        for phase in done.values():
+            metrics.update(phase.result)
         metrics.update(
             batch_metrics(batch, token_level_rewards, advantages, returns, values, self.max_response_length)
         )
@@ -269,6 +286,13 @@ class PPOTrainer:
         if outside.any():
             uid = batch.uids[int(outside.nonzero()[0])]
             raise BatchError(uid, "token ids", f"outside the model's vocabulary of {self.vocab_size}")
+        if self.bypass_mode and not batch.has_rollout_log_probs.all():
+            uid = batch.uids[int((~batch.has_rollout_log_probs).nonzero()[0])]
+            raise BatchError(
+                uid,
+                "rollout_log_probs",
+                "required by algorithm.rollout_correction.bypass_mode (the old log-probs)",
+            )
         needs_ref = self.algo_cfg.use_kl_in_reward or self.actor.config.use_kl_loss
         if needs_ref and batch.ref_log_probs is None and self.reference is None:
             raise BatchError(
@@ -432,3 +456,10 @@ class PPOTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         log.info("checkpoint loaded: %s", path)
         return state["extra_state"]
+
+
+def _record(timing: dict[str, float], done: dict[str, Phase]) -> None:
+    """``timing_s/<phase>`` and ``timing_start/<phase>`` of phases a :class:`PhaseRunner` ran."""
+    for name, phase in done.items():
+        timing[f"timing_s/{name}"] = phase.seconds
+        timing[f"timing_start/{name}"] = phase.start

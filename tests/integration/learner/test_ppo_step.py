@@ -119,3 +119,40 @@ def test_non_finite_loss_skips_the_step_with_a_clear_error(tiny_model_dir, monke
     # The critic's loss was finite: it trained as usual.
     assert metrics["critic/skipped_steps"] == 0.0
     assert any(not torch.equal(critic_before[n], w) for n, w in module_state(trainer.critic.engine).items())
+
+
+def test_bypass_mode_takes_the_rollout_log_probs_as_the_old_ones(tiny_model_dir):
+    # verl's bypass mode: no recompute pass. Rollout log-probs equal to the actor's own give the same
+    # step as the recompute; garbage ones change it (they are used); a row without any is refused.
+    trajectories = make_trajectories(seed=8)
+    probe = PPOTrainer(make_config(tiny_model_dir), total_training_steps=10)
+    own, _ = probe.compute_log_prob(build_batch(trajectories, PAD))
+    for i, t in enumerate(trajectories):
+        t.rollout_log_probs[:] = own[i, : len(t.response_ids)].tolist()
+    results = {}
+    for bypass in (False, True):
+        cfg = make_config(tiny_model_dir, f"algorithm.rollout_correction.bypass_mode={bypass}")
+        trainer = PPOTrainer(cfg, total_training_steps=10)
+        metrics = trainer.train_step(build_batch(trajectories, PAD))
+        results[bypass] = (metrics, module_state(trainer.actor.engine))
+    (m_recompute, w_recompute), (m_bypass, w_bypass) = results[False], results[True]
+    assert "timing_s/old_log_prob" in m_recompute and "timing_s/old_log_prob" not in m_bypass
+    assert m_bypass["actor/pg_loss"] == pytest.approx(m_recompute["actor/pg_loss"], abs=1e-6)
+    for name, weight in w_recompute.items():
+        torch.testing.assert_close(w_bypass[name], weight, rtol=0, atol=1e-6, msg=name)
+
+    cfg = make_config(tiny_model_dir, "algorithm.rollout_correction.bypass_mode=true")
+    shifted = make_trajectories(seed=8)
+    for t in shifted:
+        t.rollout_log_probs[:] = [lp - 0.5 for lp in t.rollout_log_probs]
+    m_shifted = PPOTrainer(cfg, total_training_steps=10).train_step(build_batch(shifted, PAD))
+    assert m_shifted["actor/pg_loss"] != pytest.approx(m_bypass["actor/pg_loss"], abs=1e-4)
+
+    missing = make_trajectories(seed=8)
+    del missing[5].rollout_log_probs[:]
+    trainer = PPOTrainer(cfg, total_training_steps=10)
+    before = module_state(trainer.actor.engine)
+    with pytest.raises(BatchError, match=r"p2/1.*rollout_log_probs.*bypass_mode"):
+        trainer.train_step(build_batch(missing, PAD))
+    after = module_state(trainer.actor.engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
