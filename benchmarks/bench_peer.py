@@ -1,18 +1,20 @@
 """make bench-peer: TRL 1.12's PPOTrainer and rlmesh on one task, from one SFT checkpoint, one after
 the other; prints wall times, accuracies and rlmesh's time to TRL's final accuracy as a ratio.
 
-    python benchmarks/bench_peer.py [--steps 100] [--seed 0] [--runs trl,trl-knobs,fast] [--workdir runs/bench-peer]
+    python benchmarks/bench_peer.py [--steps 100] [--seed 0] [--runs trl,trl-knobs,fast] [--threads N]
 
 The task is TRL's own CPU PPO example, built here with nothing downloaded: a 4.2M-parameter Llama
 (hidden 256, 4 layers, intermediate 1024) with rlmesh's character tokenizer, prompts ``a+b=`` (a, b
 in 0..99, 256 held out as the test set), answers of at most 3 digits and eos (4 tokens), warmed up
-with a short seeded supervised run until greedy accuracy on a dev split reaches ``--sft-band``.
+by a seeded supervised run until greedy accuracy on a dev split reaches ``--sft-band`` (cached).
 
 Both sides then run ``--steps`` PPO steps of 64 prompts (n = 1), 4 epochs over 2 mini-batches:
 TRL in its own venv (benchmarks/peer_trl.py under .venv-trl), rlmesh with ``rlmesh train``, once
 with TRL's knobs mapped to verl's keys (``trl-knobs``) and once with the config the README documents
-as the fast one (``fast``). Accuracy is greedy on the 256 test prompts, scored by
-benchmarks/peer_reward.py on both sides, before training and every ``--eval-every`` steps.
+as the fast one (``fast``). Accuracy is avg@8 on the 256 test prompts (the mean score of 8 answers
+sampled at the training temperature per prompt; ``--eval-samples 0``: greedy), scored by
+benchmarks/peer_reward.py on both sides, before training and every ``--eval-every`` steps; greedy
+accuracy at the start and the end is shown too.
 
 What is timed, the same way on both sides: the training steps only. A step's time runs from the
 end of the previous step (or of its evaluation) to the end of its weight update (rlmesh: and the
@@ -167,6 +169,9 @@ def trl_knobs_overrides(knobs: Knobs) -> dict[str, Any]:
         "algorithm.kl_penalty": "kl",
         "algorithm.kl_ctrl.type": "fixed",
         "algorithm.kl_ctrl.kl_coef": knobs.kl_coef,
+        # TRL's old log-probs are its generation's own (log-softmax of generate()'s scores), with no
+        # second forward of the policy: verl's bypass mode, fed by the replicas' log-probs.
+        "algorithm.rollout_correction.bypass_mode": True,
         "trainer.critic_warmup": 0,
         "rlmesh.max_staleness": 0,
     }
@@ -179,7 +184,7 @@ def trl_knobs_overrides(knobs: Knobs) -> dict[str, Any]:
 FAST_OVERRIDES: dict[str, Any] = {
     "algorithm.adv_estimator": "reinforce_plus_plus",
     "actor_rollout_ref.actor.ppo_epochs": 2,
-    "actor_rollout_ref.actor.optim.lr": 1e-4,
+    "actor_rollout_ref.actor.optim.lr": 6e-5,
     "actor_rollout_ref.actor.grad_clip": 1.0,
 }
 
@@ -187,9 +192,18 @@ RUNS = ("trl", "trl-knobs", "fast")
 
 
 def rlmesh_overrides(
-    knobs: Knobs, run: str, *, model: Path, train: Path, test: Path, out_dir: Path, replicas: int = 2
+    knobs: Knobs,
+    run: str,
+    *,
+    model: Path,
+    train: Path,
+    test: Path,
+    out_dir: Path,
+    replicas: int = 2,
+    threads: int = 1,
 ) -> dict[str, Any]:
-    """Every key=value ``rlmesh train`` gets for one of the rlmesh runs (``trl-knobs`` or ``fast``)."""
+    """Every key=value ``rlmesh train`` gets for one of the rlmesh runs (``trl-knobs`` or ``fast``);
+    ``threads`` torch threads for the learner, as many as TRL's process gets."""
     if run not in ("trl-knobs", "fast"):
         raise ValueError(f"not an rlmesh run: {run!r}")
     o = trl_knobs_overrides(knobs)
@@ -217,6 +231,8 @@ def rlmesh_overrides(
             # The reference's forward in the learner, as TRL's (and verl's) is: no service, no RPC.
             "rlmesh.reference.colocated": True,
             "rlmesh.rollout.replicas": replicas,
+            # Synchronous steps leave the replicas idle while the learner trains: it may use every core.
+            "rlmesh.learner.torch_threads": threads,
             "rlmesh.sampler.engine_max_batch_size": knobs.batch,
             "rlmesh.sampler.tasks_in_flight": knobs.batch,
         }
@@ -281,19 +297,23 @@ def rlmesh_timeline(rows: Sequence[dict[str, float]]) -> tuple[list[dict[str, fl
     return evals, step_s, eval_s
 
 
-def summarize(results: dict[str, dict[str, Any]], test_prompts: int = 256) -> dict[str, Any]:
+def summarize(
+    results: dict[str, dict[str, Any]], test_prompts: int = 256, samples: int = 8
+) -> dict[str, Any]:
     """Per run: steps, training time, s/step, start and final accuracy, time to TRL's final accuracy
     and its ratio to TRL's. ``results[name]`` has ``evals`` (step, acc, train_s), ``step_s``,
     ``eval_s`` and optionally ``greedy_start`` / ``greedy_final``. ``trl_lift_significant`` says
-    whether TRL ended more than two standard errors (over ``test_prompts`` prompts) above where it
-    started: otherwise a time to TRL's final accuracy measures noise."""
+    whether TRL ended more than two standard errors above where it started (``samples`` answers to
+    each of ``test_prompts`` prompts): otherwise a time to TRL's final accuracy measures noise."""
     trl = results.get("trl")
     target = trl["evals"][-1]["acc"] if trl and trl["evals"] else None
     trl_tta = time_to_accuracy(trl["evals"], target) if target is not None else None
     out: dict[str, Any] = {"target_acc": target, "trl_lift_significant": None, "runs": {}}
     if target is not None:
+        # The test prompts are fixed, so the noise of an evaluation is its sampling's: at most
+        # p(1 - p) / (prompts x answers per prompt); a greedy one counts one answer per prompt.
         start = trl["evals"][0]["acc"]
-        se = (max(start * (1 - start), 1e-6) / test_prompts) ** 0.5
+        se = (max(start * (1 - start), 1e-6) / (test_prompts * max(samples, 1))) ** 0.5
         out["trl_lift_significant"] = target - start > 2 * se
     for name, r in results.items():
         steps = len(r["step_s"])
@@ -647,11 +667,11 @@ def run_trl(args: argparse.Namespace, knobs: Knobs, prep: Prepared, outdir: Path
         f"--test={prep.test}",
         f"--out={out}",
         f"--workdir={outdir / 'trl-output'}",
-        f"--threads={args.trl_threads}",
+        f"--threads={args.threads}",
         *trl_args(knobs),
     ]
-    say(f"TRL: {knobs.steps} steps in {args.trl_python} ({args.trl_threads} torch thread(s))")
-    code, wall = stream(argv, "", env={"OMP_NUM_THREADS": str(args.trl_threads)})
+    say(f"TRL: {knobs.steps} steps in {args.trl_python} ({args.threads} torch thread(s))")
+    code, wall = stream(argv, "", env={"OMP_NUM_THREADS": str(args.threads)})
     if code != 0:
         raise SystemExit(f"[bench-peer] the TRL run failed (exit code {code})")
     r = json.loads(out.read_text())
@@ -686,6 +706,7 @@ def run_rlmesh(
         test=prep.test,
         out_dir=run_dir,
         replicas=args.replicas,
+        threads=args.threads,
     )
     extra = args.rlmesh_override if run in args.override_runs.split(",") else []
     overrides.update(dict(kv.split("=", 1) for kv in extra))
@@ -739,7 +760,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sft-band", type=float, default=0.30, help="warm up until dev accuracy reaches this")
     p.add_argument("--sft-max-epochs", type=int, default=20)
     p.add_argument("--trl-python", default=".venv-trl/bin/python")
-    p.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads of TRL's process and of rlmesh's learner (default: this machine's cores)",
+    )
     p.add_argument("--trl-result", default=None, help="an earlier run's results.json: reuse its TRL run")
     p.add_argument("--replicas", type=int, default=2, help="rlmesh rollout replicas")
     p.add_argument("--rlmesh-override", action="append", default=[], help="extra key=value for rlmesh runs")
@@ -765,14 +791,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trl_result:
         results["trl"] = json.loads(Path(args.trl_result).read_text())["results"]["trl"]
         say(f"TRL: reusing the run in {args.trl_result}")
-    summary = summarize(results)
+    summary = summarize(results, samples=knobs.eval_samples)
     for run in runs:
         if run == "trl":
             if not args.trl_result:
                 results["trl"] = run_trl(args, knobs, prep, outdir)
         else:
             results[run] = run_rlmesh(args, knobs, prep, outdir, run)
-        summary = summarize(results)
+        summary = summarize(results, samples=knobs.eval_samples)
         record = {"knobs": asdict(knobs), "sft": prep.sft, "summary": summary, "results": results}
         (outdir / "results.json").write_text(json.dumps(record, indent=1) + "\n")
     print()

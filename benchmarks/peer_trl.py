@@ -5,9 +5,10 @@ nothing of rlmesh), writes one JSON result file.
     .venv-trl/bin/python benchmarks/peer_trl.py --model DIR --train T.parquet --test V.parquet --out R.json
 
 Timing: ``train_s`` of a step runs from the end of the previous one (after its evaluation) to TRL's
-``on_step_end``: generation, reference and value forwards, reward, GAE and every PPO update. Greedy
-evaluation on the test set (before training, every ``--eval-every`` steps and after the last) is
-timed apart (``eval_s``) and not counted; neither is the start-up (imports, loading the models).
+``on_step_end``: generation, reference and value forwards, reward, GAE and every PPO update.
+Evaluation on the test set (greedy, and avg@k: ``--eval-samples`` sampled answers per prompt;
+before training, every ``--eval-every`` steps and after the last) is timed apart (``eval_s``) and
+not counted; neither is the start-up (imports, loading the models).
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     hf_logging.set_verbosity_error()  # the "newly initialized" score head, generate()'s deprecation line
+    hf_logging.disable_progress_bar()  # "Loading weights" bars
     import transformers
     import trl
 

@@ -84,6 +84,7 @@ def test_trl_knobs_map_to_the_same_ppo(tmp_path):
     assert cfg.data.seed == 3
     assert cfg.custom_reward_function.path.endswith("benchmarks/peer_reward.py")
     assert cfg.rlmesh.reference.colocated  # in the learner, as TRL computes it
+    assert cfg.rlmesh.learner.torch_threads == 1  # what TRL gets (the _config default)
     # accuracy = avg@8: validation samples 8 answers per prompt as training does
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     assert val.do_sample and val.n == 8 and val.temperature == 1.0 and val.top_k == -1
