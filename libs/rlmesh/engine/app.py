@@ -13,9 +13,14 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from rlmesh.engine import routes_control, routes_generate, routes_weights
+from rlmesh.engine.auth import BearerTokenMiddleware
 from rlmesh.engine.state import EngineState, load_state
 
 log = logging.getLogger("rlmesh.engine")
+
+# The routers' routes themselves, not include_router: FastAPI 0.165 matches an included router
+# through a nested lookup, ~70 us more a request on a small CPU.
+ROUTES = [route for m in (routes_generate, routes_control, routes_weights) for route in m.router.routes]
 
 
 def write_ready_file(path: str, info: dict[str, object]) -> None:
@@ -49,9 +54,11 @@ def create_app(
     weight_sync_timeout_s: float = 600.0,
     ready_file: str | None = None,
     port_holder: dict[str, int] | None = None,
+    auth_token: str | None = None,
 ) -> FastAPI:
     """Loads the model at ``model_path``; the engine starts with the app (and writes ``ready_file``,
-    with the port in ``port_holder``, once it has)."""
+    with the port in ``port_holder``, once it has). With ``auth_token`` every route but the health
+    probes and /metrics answers 401 to a request without ``Authorization: Bearer <auth_token>``."""
     state = load_state(
         model_path,
         max_batch_size=max_batch_size,
@@ -62,11 +69,9 @@ def create_app(
     app = FastAPI(
         title="rlmesh embedded engine",
         lifespan=partial(lifespan, ready_file=ready_file, port_holder=port_holder),
-        # The routers' routes themselves, not include_router: FastAPI 0.165 matches an included
-        # router through a nested lookup, ~70 us more a request on a small CPU.
-        routes=[
-            route for m in (routes_generate, routes_control, routes_weights) for route in m.router.routes
-        ],
+        routes=ROUTES,
     )
     app.state.engine_state = state
+    if auth_token:
+        app.add_middleware(BearerTokenMiddleware, token=auth_token)
     return app

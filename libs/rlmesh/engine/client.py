@@ -4,6 +4,7 @@ alike; version differences are probed, not configured. docs/internals.md#rlmeshe
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 import uuid
@@ -11,6 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+
+from rlmesh.config.loader import ENV_AUTH_TOKEN
+from rlmesh.engine.auth import bearer_headers
 
 FLATTENED_BUCKET = "flattened_bucket"
 # The first SGLang release whose UpdateWeightsFromDistributedReqInput has ``load_format`` (0.5.5.post3
@@ -41,11 +45,25 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, url: str, *, timeout_s: float = 600.0, name: str | None = None) -> None:
+    """``token``: sent as ``Authorization: Bearer <token>`` on every call (an engine started with it,
+    or SGLang with ``--api-key``, answers 401 without); None = env RLMESH_AUTH_TOKEN, as the config's
+    ``rlmesh.auth_token: null``, which every service exports for its process (runtime/entry.py);
+    "" = none."""
+
+    def __init__(
+        self, url: str, *, timeout_s: float = 600.0, name: str | None = None, token: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.timeout_s = timeout_s
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        if token is None:
+            token = os.environ.get(ENV_AUTH_TOKEN)
+        self._sends_token = bool(token)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers=bearer_headers(token),
+        )
         self._has_begin_end: bool | None = None
         # Paths that answered (SGLang 0.5.6+ names first, the deprecated ``get_`` names after a 404).
         self._info_paths: dict[str, str] = {}
@@ -58,7 +76,7 @@ class EngineClient:
         self, method: str, path: str, json: Any = None, timeout_s: float | None = None
     ) -> httpx.Response:
         try:
-            return await self._http.request(
+            resp = await self._http.request(
                 method,
                 path,
                 json=json,
@@ -70,6 +88,14 @@ class EngineClient:
             ) from e
         except httpx.HTTPError as e:
             raise EngineError(f"{self.name}: {path} failed: {type(e).__name__}: {e}") from e
+        if resp.status_code == 401:
+            sent = "the token sent was refused" if self._sends_token else "no token was sent"
+            raise EngineError(
+                f"{self.name}: {path} answered 401 ({sent}): {resp.text[:300]}; the engine needs the "
+                "run's rlmesh.auth_token (env RLMESH_AUTH_TOKEN; SGLang: its --api-key)",
+                401,
+            )
+        return resp
 
     async def _json(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Any:
         resp = await self._call(method, path, json, timeout_s)

@@ -1,6 +1,9 @@
 """``rlmesh engine``: the embedded CPU engine as an HTTP server speaking SGLang's native API.
 
-The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_*.py``."""
+The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_*.py``. With env
+RLMESH_AUTH_TOKEN set, every route but the health probes and /metrics needs
+``Authorization: Bearer <token>`` (SGLang's ``--api-key``); the token is never an argument, which
+``ps`` would show every user."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import uvicorn
 
+from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
 from rlmesh.runtime.entry import limit_torch_threads
 from rlmesh.runtime.logs import configure_logging
@@ -53,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weight_sync_timeout_s=args.weight_sync_timeout,
         ready_file=args.ready_file,
         port_holder=port,
+        auth_token=os.environ.get(ENV_AUTH_TOKEN) or None,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
