@@ -50,7 +50,12 @@ def engine_server_info(rollout_address: str, token: str | None = None) -> dict[s
     """The ``/get_server_info`` of a rollout replica's engine (found through ``Rollout.GetInfo``)."""
     import urllib.request
 
-    with urllib.request.urlopen(engine_url(rollout_address, token) + "/get_server_info", timeout=30) as resp:
+    from rlmesh.engine.auth import bearer_headers
+
+    request = urllib.request.Request(
+        engine_url(rollout_address, token) + "/get_server_info", headers=bearer_headers(token)
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
         return json.loads(resp.read())
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.client import EngineClient
 from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
 from rlmesh.runtime.net import free_port
@@ -37,19 +39,23 @@ def sglang_launch_argv(
     dtype: str = "bfloat16",
     skip_tokenizer_init: bool = True,
     extra_args: list[str] | None = None,
+    api_key_from_env: bool = False,
 ) -> list[str]:
     """The SGLang server command line for one replica (one server per replica: SGLang's weight
     endpoints need dp_size == 1). Token ids only (--skip-tokenizer-init): rlmesh tokenizes; SGLang
     then answers 400 to sampling params that need its tokenizer (``stop`` strings,
     ``min_new_tokens`` > 0) and sends no ``text``. Every flag is a ServerArgs field of SGLang
     0.4.10-0.5.23 (``--tp-size`` alias ``--tensor-parallel-size``; ``--dtype`` one of auto, half,
-    float16, bfloat16, float, float32)."""
+    float16, bfloat16, float, float32).
+
+    ``api_key_from_env``: run it through ``rlmesh.rollout.sglang_server``, which adds ``--api-key``
+    from env RLMESH_AUTH_TOKEN inside the process, where ``ps`` does not show it."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     return [
         sys.executable,
         "-m",
-        "sglang.launch_server",
+        "rlmesh.rollout.sglang_server" if api_key_from_env else "sglang.launch_server",
         "--model-path",
         model_path,
         "--host",
@@ -114,7 +120,14 @@ async def start_engine(
     seed: int = 0,
     skip_tokenizer_init: bool = True,
     extra_args: list[str] | None = None,
+    token: str | None = None,
 ) -> RunningEngine:
+    """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
+    handed over in the child's environment, never its argv; the client sends it, also to an engine
+    it attaches to. None = env RLMESH_AUTH_TOKEN, as for the config's ``rlmesh.auth_token``."""
+    if token is None:
+        token = os.environ.get(ENV_AUTH_TOKEN) or None
+    env = {ENV_AUTH_TOKEN: token} if token else None
     if kind == "embedded":
         if not Path(model_path).exists():
             raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} does not exist")
@@ -124,14 +137,19 @@ async def start_engine(
             name=f"{name}-engine",
             port=port,
             extra_args=["--max-batch-size", str(max_batch_size)],
+            env=env,
             timeout_s=startup_timeout_s,
         )
-        client = EngineClient(instance.url, timeout_s=request_timeout_s, name=f"{name}-engine")
+        client = EngineClient(
+            instance.url, timeout_s=request_timeout_s, name=f"{name}-engine", token=token or ""
+        )
         return RunningEngine("embedded", instance.url, client, instance.process)
     if kind != "sglang":
         raise ValueError(f"unknown engine {kind!r}; rlmesh supports 'embedded' and 'sglang'")
     if attach_urls:
-        client = EngineClient(attach_urls[0], timeout_s=request_timeout_s, name=f"{name}-sglang")
+        client = EngineClient(
+            attach_urls[0], timeout_s=request_timeout_s, name=f"{name}-sglang", token=token or ""
+        )
         await client.wait_healthy(startup_timeout_s)
         ranks = weight_sync_ranks_of(await client.server_info())
         return RunningEngine("sglang", attach_urls[0], client, weight_sync_ranks=ranks)
@@ -145,6 +163,7 @@ async def start_engine(
         dtype=dtype,
         skip_tokenizer_init=skip_tokenizer_init,
         extra_args=extra_args,
+        api_key_from_env=bool(token),
     )
     # extra_args may set the parallelism itself (argparse: the last one wins).
     ranks = int(_flag_value(argv, "--tp-size", "--tensor-parallel-size") or tp_size)
@@ -155,9 +174,9 @@ async def start_engine(
             "pp_size": _flag_value(argv, "--pp-size", "--pipeline-parallel-size"),
         }
     )
-    proc = launcher.spawn(f"{name}-sglang", argv)
+    proc = launcher.spawn(f"{name}-sglang", argv, env)
     url = f"http://127.0.0.1:{port}"
-    client = EngineClient(url, timeout_s=request_timeout_s, name=f"{name}-sglang")
+    client = EngineClient(url, timeout_s=request_timeout_s, name=f"{name}-sglang", token=token or "")
     deadline = asyncio.get_running_loop().time() + startup_timeout_s
     while not await client.healthy():
         if not proc.alive():

@@ -77,6 +77,7 @@ async def start_replica_engine(
         dtype=rollout.dtype,
         extra_args=rollout.sglang.extra_args,
         skip_tokenizer_init=rollout.skip_tokenizer_init,
+        token=cfg.rlmesh.auth_token or "",
     )
 
 

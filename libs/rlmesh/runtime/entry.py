@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
-from rlmesh.config import ConfigError, RLMeshConfig, load_config
+from rlmesh.config import ENV_AUTH_TOKEN, ConfigError, RLMeshConfig, load_config
 from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.server import GrpcService
@@ -52,6 +52,10 @@ def service_main(
     except ConfigError as e:
         print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    if cfg.rlmesh.auth_token:
+        # Where the token reaches what the config does not: this process's engine clients (the
+        # learner's weight pushes) and its children (a replica's engine), never through argv.
+        os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token
     section = getattr(cfg.rlmesh, name)
     configure_logging(name, cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
     try:

@@ -67,8 +67,9 @@ def test_weight_sync_ranks_from_server_info():
 class FakeClient:
     info: ClassVar[dict] = {}
 
-    def __init__(self, url: str, **_: object) -> None:
+    def __init__(self, url: str, *, token: str | None = None, **_: object) -> None:
         self.url = url
+        self.token = token
 
     async def wait_healthy(self, timeout_s: float) -> None:
         pass
@@ -88,9 +89,10 @@ class FakeProcess:
 class FakeLauncher:
     def __init__(self) -> None:
         self.argv: list[str] | None = None
+        self.env: dict[str, str] | None = None
 
-    def spawn(self, name: str, argv: list[str]) -> FakeProcess:
-        self.argv = argv
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> FakeProcess:
+        self.argv, self.env = argv, env
         return FakeProcess()
 
 
@@ -132,3 +134,30 @@ async def test_attached_server_reports_its_tp_size(monkeypatch):
     monkeypatch.setattr(engines, "EngineClient", Attached)
     engine = await start(FakeLauncher(), attach_urls=["http://10.0.0.2:30000"])
     assert (engine.url, engine.weight_sync_ranks, engine.process) == ("http://10.0.0.2:30000", 8, None)
+
+
+async def test_a_launched_server_gets_the_token_in_its_environment_not_its_argv(monkeypatch):
+    # SGLang takes its key from --api-key only: rlmesh.rollout.sglang_server adds it in-process.
+    monkeypatch.setattr(engines, "EngineClient", FakeClient)
+    launcher = FakeLauncher()
+    engine = await start(launcher, attach_urls=[], token="tok-123")
+    assert launcher.argv is not None and launcher.argv[1:3] == ["-m", "rlmesh.rollout.sglang_server"]
+    assert not any("tok-123" in a for a in launcher.argv) and "--api-key" not in launcher.argv
+    assert launcher.env == {"RLMESH_AUTH_TOKEN": "tok-123"}
+    assert engine.client.token == "tok-123"
+
+
+async def test_without_a_token_sglang_is_launched_as_it_is(monkeypatch):
+    monkeypatch.setattr(engines, "EngineClient", FakeClient)
+    monkeypatch.delenv("RLMESH_AUTH_TOKEN", raising=False)
+    launcher = FakeLauncher()
+    engine = await start(launcher, attach_urls=[])
+    assert launcher.argv is not None and launcher.argv[1:3] == ["-m", "sglang.launch_server"]
+    assert launcher.env is None and engine.client.token == ""
+
+
+async def test_the_token_defaults_to_the_environment_and_reaches_an_attached_server(monkeypatch):
+    monkeypatch.setattr(engines, "EngineClient", FakeClient)
+    monkeypatch.setenv("RLMESH_AUTH_TOKEN", "from-env")
+    engine = await start(FakeLauncher(), attach_urls=["http://10.0.0.2:30000"])
+    assert engine.client.token == "from-env"
