@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -298,15 +299,21 @@ def rlmesh_timeline(rows: Sequence[dict[str, float]]) -> tuple[list[dict[str, fl
 
 
 def summarize(
-    results: dict[str, dict[str, Any]], test_prompts: int = 256, samples: int = 8
+    results: dict[str, dict[str, Any]], test_prompts: int = 256, samples: int = 8, final_evals: int = 3
 ) -> dict[str, Any]:
     """Per run: steps, training time, s/step, start and final accuracy, time to TRL's final accuracy
-    and its ratio to TRL's. ``results[name]`` has ``evals`` (step, acc, train_s), ``step_s``,
-    ``eval_s`` and optionally ``greedy_start`` / ``greedy_final``. ``trl_lift_significant`` says
-    whether TRL ended more than two standard errors above where it started (``samples`` answers to
-    each of ``test_prompts`` prompts): otherwise a time to TRL's final accuracy measures noise."""
+    and its ratio to TRL's, also at the run's median pace (the step where it got there times its
+    median step time: what the run takes without the bursts of other work a shared machine adds).
+    ``results[name]`` has ``evals`` (step, acc, train_s), ``step_s``, ``eval_s`` and optionally
+    ``greedy_start`` / ``greedy_final``. TRL's final accuracy is the mean of its last
+    ``final_evals`` evaluations (one evaluation swings by a few points). ``trl_lift_significant``
+    says whether TRL ended more than two standard errors above where it started (``samples``
+    answers to each of ``test_prompts`` prompts): otherwise a time to it measures noise."""
     trl = results.get("trl")
-    target = trl["evals"][-1]["acc"] if trl and trl["evals"] else None
+    target = None
+    if trl and trl["evals"]:
+        last = trl["evals"][-max(1, min(final_evals, len(trl["evals"]) - 1)) :]
+        target = sum(e["acc"] for e in last) / len(last)
     trl_tta = time_to_accuracy(trl["evals"], target) if target is not None else None
     out: dict[str, Any] = {"target_acc": target, "trl_lift_significant": None, "runs": {}}
     if target is not None:
@@ -315,14 +322,18 @@ def summarize(
         start = trl["evals"][0]["acc"]
         se = (max(start * (1 - start), 1e-6) / (test_prompts * max(samples, 1))) ** 0.5
         out["trl_lift_significant"] = target - start > 2 * se
+    trl_median = statistics.median(trl["step_s"]) if trl and trl["step_s"] else None
+    trl_tta_median = trl_tta["step"] * trl_median if trl_tta is not None and trl_median else None
     for name, r in results.items():
         steps = len(r["step_s"])
         train_s = sum(r["step_s"])
         evals = r["evals"]
+        median = statistics.median(r["step_s"]) if steps else None
         row = {
             "steps": steps,
             "train_s": train_s,
             "s_per_step": train_s / steps if steps else None,
+            "s_per_step_median": median,
             "eval_s": r.get("eval_s"),
             "process_s": r.get("process_s"),
             "acc_start": evals[0]["acc"] if evals else None,
@@ -332,15 +343,20 @@ def summarize(
             "greedy_final": r.get("greedy_final"),
             "tta": None,
             "tta_ratio": None,
+            "tta_median_ratio": None,
             "s_per_step_ratio": None,
+            "s_per_step_median_ratio": None,
         }
         if target is not None:
             tta = time_to_accuracy(evals, target)
             row["tta"] = tta
             if tta is not None and trl_tta is not None and trl_tta["train_s"] > 0:
                 row["tta_ratio"] = tta["train_s"] / trl_tta["train_s"]
+            if tta is not None and trl_tta_median and median is not None:
+                row["tta_median_ratio"] = tta["step"] * median / trl_tta_median
         if trl and name != "trl" and trl["step_s"] and steps:
             row["s_per_step_ratio"] = row["s_per_step"] / (sum(trl["step_s"]) / len(trl["step_s"]))
+            row["s_per_step_median_ratio"] = median / trl_median
         out["runs"][name] = row
     return out
 
@@ -350,18 +366,21 @@ def table(summary: dict[str, Any], labels: dict[str, str], metric: str = "avg@8"
         return "-" if v is None else format(v, fmt)
 
     lines = [
-        f"| system / config | steps | train time | s/step | eval time | {metric} start | {metric} final | "
-        f"greedy start -> final | time to TRL's final {metric} | ratio vs TRL | s/step vs TRL |",
+        f"| system / config | steps | train time | s/step (median) | eval time | {metric} start | "
+        f"{metric} final | greedy start -> final | time to TRL's final {metric} | ratio vs TRL (at median "
+        "pace) | s/step vs TRL (median) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["runs"].items():
         tta = r["tta"]
         tta_text = "not reached" if tta is None else f"{tta['train_s']:.1f} s (step {tta['step']})"
         lines.append(
-            f"| {labels.get(name, name)} | {r['steps']} | {f(r['train_s'], '.0f')} s | {f(r['s_per_step'], '.2f')} | "
+            f"| {labels.get(name, name)} | {r['steps']} | {f(r['train_s'], '.0f')} s | "
+            f"{f(r['s_per_step'], '.2f')} ({f(r.get('s_per_step_median'), '.2f')}) | "
             f"{f(r['eval_s'], '.0f')} s | {f(r['acc_start'], '.1%')} | {f(r['acc_final'], '.1%')} | "
             f"{f(r['greedy_start'], '.1%')} -> {f(r['greedy_final'], '.1%')} | {tta_text} | "
-            f"{f(r['tta_ratio'], '.2f')} | {f(r['s_per_step_ratio'], '.2f')} |"
+            f"{f(r['tta_ratio'], '.2f')} ({f(r.get('tta_median_ratio'), '.2f')}) | "
+            f"{f(r['s_per_step_ratio'], '.2f')} ({f(r.get('s_per_step_median_ratio'), '.2f')}) |"
         )
     return "\n".join(lines)
 
@@ -374,26 +393,30 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
             "TRL ended within two standard errors of its start: a time to TRL's final accuracy measures "
             "noise here, whatever the ratio says"
         )
+    # Met only if both the wall-time ratio and the one at median pace are: a burst of other work on
+    # the machine during one side's run moves the first, not the second.
     fast = runs.get("fast")
     if fast is not None and "trl" in runs:
-        ratio = fast["tta_ratio"]
+        ratio, at_median = fast["tta_ratio"], fast.get("tta_median_ratio")
         ok = (
             ratio is not None
-            and ratio <= FAST_RATIO_TARGET
+            and at_median is not None
+            and max(ratio, at_median) <= FAST_RATIO_TARGET
             and summary.get("trl_lift_significant") is not False
         )
-        shown = "not reached" if ratio is None else f"{ratio:.2f}x"
+        shown = "not reached" if ratio is None else f"{ratio:.2f}x ({at_median:.2f}x at median pace)"
         out.append(
             f"fast config: time to TRL's final accuracy {shown} TRL's (target <= {FAST_RATIO_TARGET}x): "
             f"{'met' if ok else 'MISSED'}"
         )
     knobs = runs.get("trl-knobs")
     if knobs is not None and "trl" in runs:
-        ratio = knobs["s_per_step_ratio"]
-        ok = ratio is not None and ratio <= KNOBS_RATIO_TARGET
+        ratio, at_median = knobs["s_per_step_ratio"], knobs.get("s_per_step_median_ratio")
+        ok = ratio is not None and at_median is not None and max(ratio, at_median) <= KNOBS_RATIO_TARGET
+        shown = "-" if ratio is None else f"{ratio:.2f}x ({at_median:.2f}x median)"
         out.append(
-            f"TRL's knobs: {f'{ratio:.2f}x' if ratio is not None else '-'} TRL's time per step "
-            f"(target <= {KNOBS_RATIO_TARGET}x): {'met' if ok else 'MISSED'}"
+            f"TRL's knobs: {shown} TRL's time per step (target <= {KNOBS_RATIO_TARGET}x): "
+            f"{'met' if ok else 'MISSED'}"
         )
     return out
 
