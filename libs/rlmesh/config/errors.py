@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from rlmesh.config.base import CrossFieldProblems
 from rlmesh.config.keys import config_key, known_paths
 from rlmesh.config.schema import RLMeshConfig
+from rlmesh.config.secrets import SECRET_KEYS, redact_url
 
 
 class ConfigError(ValueError):
@@ -30,10 +31,15 @@ class ConfigError(ValueError):
         return "\n".join(f"- {p}" for p in self.problems)
 
 
+# Keys whose value an error never repeats: the token, and a Redis URL, whose password redact_url
+# cannot find when it holds characters that should have been %-encoded (its own check masks it).
+_UNSHOWN_KEYS = frozenset({*SECRET_KEYS, "rlmesh.redis_url"})
+
+
 def _show(value: Any) -> str:
-    """A value as the user typed it, YAML-ish and short."""
+    """A value as the user typed it, YAML-ish and short (a URL's password masked)."""
     if isinstance(value, str):
-        text = repr(value)
+        text = redact_url(repr(value))
     else:
         try:
             text = json.dumps(value)
@@ -140,7 +146,12 @@ def _bad_value(key: str, errors: list[dict[str, Any]]) -> str:
     given = errors[0].get("input")
     if len(errors) == 1 and errors[0]["type"] == "value_error" and isinstance(given, dict):
         return f"'{key}': {_expected(errors[0])}"  # a rule about a whole section: its dump would be noise
-    value = _show(given)
+    if key in _UNSHOWN_KEYS:
+        if len(errors) == 1 and errors[0]["type"] == "value_error":
+            return f"bad value for '{key}': {_expected(errors[0])}"  # the check shows what is safe
+        value = "(not shown: it may hold a secret)"
+    else:
+        value = _show(given)
     if len(errors) == 1:
         return f"bad value for '{key}': {value}; {_expected(errors[0])}"
     # Several errors on one key come from union branches: say what the key accepts as a whole.

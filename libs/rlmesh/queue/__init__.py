@@ -6,7 +6,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from rlmesh.queue.connection import connect, retry_forever
+from rlmesh.queue.connection import RedisAccessError, access_refusal, connect, retry_forever
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.registry import ReplicaRegistry
 from rlmesh.queue.streams import Delivery, QueueFullError, QueueMetrics, StreamQueue
@@ -54,10 +54,12 @@ __all__ = [
     "Delivery",
     "QueueFullError",
     "QueueMetrics",
+    "RedisAccessError",
     "ReplicaRegistry",
     "RunKeys",
     "StreamQueue",
     "TrajectoryCollector",
+    "access_refusal",
     "connect",
     "prompt_queue",
     "retry_forever",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import urllib.request
 
 import grpc
@@ -24,13 +25,40 @@ def grpc_health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def redis_ping(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """True when a Redis server answers PING on host:port (raw RESP, no client library)."""
+def resp_command(*args: str) -> bytes:
+    """One command as a RESP array (any bytes in its arguments, unlike an inline command)."""
+    parts = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def redis_ping(
+    host: str,
+    port: int,
+    timeout_s: float = 1.0,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    tls: ssl.SSLContext | None = None,
+    any_reply: bool = False,
+) -> bool:
+    """True when a Redis server answers PING on host:port (raw RESP, no client library), after
+    AUTH with ``password`` (and ``username``, an ACL user) and over ``tls`` when given.
+    ``any_reply``: an error reply counts too (NOAUTH from a server whose default user is off: it
+    serves, this probe just has no user)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            sock = tls.wrap_socket(raw, server_hostname=host) if tls else raw
+            if password is not None:
+                sock.sendall(resp_command("AUTH", *([username] if username else []), password))
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
+            reply = sock.recv(64)
+            return reply.startswith(b"+PONG") or (any_reply and reply.startswith(b"-"))
+    except OSError:  # ssl.SSLError among them
         return False
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote, urlencode
 
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
@@ -90,16 +92,48 @@ class ManagedProcess:
             return "<no log>"
 
 
+@dataclass(frozen=True)
+class RedisTLS:
+    """The files of a TLS-only redis-server: its certificate and key, and the CA that signed them,
+    which clients check the server against (and the server clients, with ``verify_clients``; a
+    client then presents this same certificate)."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    verify_clients: bool = False
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        if self.verify_clients:
+            context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
+
+    def url_query(self) -> dict[str, str]:
+        """The query parameters of a rediss:// URL that connects with these files (redis-py's)."""
+        query = {"ssl_ca_certs": str(self.ca_file)}
+        if self.verify_clients:
+            query |= {"ssl_certfile": str(self.cert_file), "ssl_keyfile": str(self.key_file)}
+        return query
+
+
 @dataclass
 class RedisInstance:
     process: ManagedProcess
     host: str
     port: int
     data_dir: Path
+    password: str | None = None  # requirepass: the default user's
+    tls: RedisTLS | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """What a client connects with: rediss:// with the CA under TLS, and the password when there
+        is one (a secret then: rlmesh.config.secrets keeps it out of argv and logs)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}/0?{urlencode(self.tls.url_query())}"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
 
 @dataclass
@@ -126,6 +160,12 @@ class LearnerRanks:
     @property
     def processes(self) -> list[ManagedProcess]:
         return [self.rank0.process, *self.followers]
+
+
+def _redis_config_quote(value: str) -> str:
+    """``value`` as one argument of a redis.conf line (a double-quoted string, escapes and all)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
 
 
 class ProcessLauncher:
@@ -209,8 +249,15 @@ class ProcessLauncher:
         appendonly: bool = True,
         timeout_s: float = 30.0,
         port: int | None = None,
+        password: str | None = None,
+        acl_users: Sequence[str] = (),
+        tls: RedisTLS | None = None,
     ) -> RedisInstance:
-        """A private redis-server on a free loopback port with its own data dir (AOF on by default)."""
+        """A private redis-server on a free loopback port with its own data dir (AOF on by default).
+
+        ``password``: its requirepass; ``acl_users``: ACL rules, one user each (``"alice on >pw ~*
+        +@all"``); both go in a config file only its owner can read, never in its argv. ``tls``:
+        it serves TLS only, on ``port``."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise LaunchError(
@@ -220,10 +267,35 @@ class ProcessLauncher:
         host, port = "127.0.0.1", port or free_port()
         data_dir = self.workdir / name
         data_dir.mkdir(exist_ok=True)
+        secrets = [f"requirepass {_redis_config_quote(password)}"] if password is not None else []
+        secrets += [f"user {rule}" for rule in acl_users]
+        config_file = []
+        if secrets:
+            path = data_dir / "secrets.conf"
+            path.unlink(missing_ok=True)  # created afresh, so with the mode below
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write("\n".join(secrets) + "\n")
+            config_file = [str(path)]  # redis-server reads a config file first, then the flags
+        listen = ["--port", str(port)]
+        if tls:
+            listen = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(port),
+                "--tls-cert-file",
+                str(tls.cert_file),
+                "--tls-key-file",
+                str(tls.key_file),
+                "--tls-ca-cert-file",
+                str(tls.ca_file),
+                "--tls-auth-clients",
+                "yes" if tls.verify_clients else "no",
+            ]
         argv = [
             binary,
-            "--port",
-            str(port),
+            *config_file,
+            *listen,
             "--bind",
             host,
             "--dir",
@@ -238,8 +310,16 @@ class ProcessLauncher:
             "",
         ]
         proc = self.spawn(name, argv)
-        self.wait_ready(proc, lambda: redis_ping(host, port), timeout_s)
-        return RedisInstance(process=proc, host=host, port=port, data_dir=data_dir)
+        context = tls.client_context() if tls else None
+        # ACL users alone may turn the default user off: any answer then says it serves.
+        self.wait_ready(
+            proc,
+            lambda: redis_ping(host, port, password=password, tls=context, any_reply=bool(acl_users)),
+            timeout_s,
+        )
+        return RedisInstance(
+            process=proc, host=host, port=port, data_dir=data_dir, password=password, tls=tls
+        )
 
     def start_service(
         self,
