@@ -1,7 +1,5 @@
-"""Bearer-token auth for the engine's HTTP API, as SGLang's ``--api-key`` does it: every route
-answers 401 without ``Authorization: Bearer <token>``, except the probes (``/health``,
-``/health_generate``) and Prometheus' ``/metrics``, which SGLang leaves open too so that
-orchestrators and scrapers need no secret. docs/design.md#tokens"""
+"""Bearer-token auth for the engine's HTTP API, as SGLang's ``--api-key`` does it: 401 without
+``Authorization: Bearer <token>``, but for the probes and /metrics. docs/design.md#tokens"""
 
 from __future__ import annotations
 
@@ -16,7 +14,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# Exact paths, not SGLang's prefixes: a prefix would also open any route added later under it.
+# Open as in SGLang, so that orchestrators and scrapers need no secret. Exact paths, not SGLang's
+# prefixes: a prefix would also open any route added later under it.
 OPEN_PATHS: frozenset[str] = frozenset({"/health", "/health_generate", "/metrics"})
 
 

@@ -1,9 +1,6 @@
 """``rlmesh engine``: the embedded CPU engine as an HTTP server speaking SGLang's native API.
 
-The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_*.py``. With env
-RLMESH_AUTH_TOKEN set, every route but the health probes and /metrics needs
-``Authorization: Bearer <token>`` (SGLang's ``--api-key``); the token is never an argument, which
-``ps`` would show every user."""
+The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_*.py``."""
 
 from __future__ import annotations
 
@@ -57,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weight_sync_timeout_s=args.weight_sync_timeout,
         ready_file=args.ready_file,
         port_holder=port,
+        # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
         auth_token=os.environ.get(ENV_AUTH_TOKEN) or None,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, access_log=False)

@@ -1,12 +1,12 @@
 """``python -m rlmesh.rollout.sglang_server <sglang.launch_server args>``: SGLang's server with
-``--api-key`` from env RLMESH_AUTH_TOKEN, kept out of the process's command line.
+``--api-key`` from env RLMESH_AUTH_TOKEN, kept out of the process's command line."""
 
-SGLang reads its API key from ``--api-key`` only (ServerArgs.api_key; no environment variable in any
-release checked, docs/sglang.md). ``--api-key <token>`` in the argv we exec
-would show the token to every user in ``ps`` and /proc/<pid>/cmdline, so this module is what is
-exec'd: it appends ``--api-key`` to its in-process ``sys.argv`` (the kernel's copy, which ``ps``
-reads, keeps the exec'd arguments) and runs ``sglang.launch_server`` as ``__main__``. SGLang's own
-children are multiprocessing spawns, which get their arguments through a pipe, not argv."""
+# SGLang reads its API key from --api-key only (ServerArgs.api_key; no environment variable in the
+# releases checked, docs/sglang.md). --api-key <token> in the argv we exec would show the token to
+# every user in ps and /proc/<pid>/cmdline, so this module is what is exec'd: it appends --api-key
+# to its in-process sys.argv (the kernel's copy, which ps reads, keeps the exec'd arguments) and
+# runs sglang.launch_server as __main__. SGLang's own children are multiprocessing spawns, which get
+# their arguments through a pipe, not argv.
 
 from __future__ import annotations
 
