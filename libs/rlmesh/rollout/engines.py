@@ -127,7 +127,8 @@ async def start_engine(
     it attaches to. None = env RLMESH_AUTH_TOKEN, as for the config's ``rlmesh.auth_token``."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
-    env = {ENV_AUTH_TOKEN: token} if token else None
+    # Set either way: an engine told no token must not inherit one from this process's environment.
+    env = {ENV_AUTH_TOKEN: token or ""}
     if kind == "embedded":
         if not Path(model_path).exists():
             raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} does not exist")

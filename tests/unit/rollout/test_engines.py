@@ -153,7 +153,16 @@ async def test_without_a_token_sglang_is_launched_as_it_is(monkeypatch):
     launcher = FakeLauncher()
     engine = await start(launcher, attach_urls=[])
     assert launcher.argv is not None and launcher.argv[1:3] == ["-m", "sglang.launch_server"]
-    assert launcher.env is None and engine.client.token == ""
+    assert launcher.env == {"RLMESH_AUTH_TOKEN": ""} and engine.client.token == ""
+
+
+async def test_no_token_given_is_no_token_even_where_the_environment_has_one(monkeypatch):
+    monkeypatch.setattr(engines, "EngineClient", FakeClient)
+    monkeypatch.setenv("RLMESH_AUTH_TOKEN", "from-env")
+    launcher = FakeLauncher()
+    engine = await start(launcher, attach_urls=[], token="")
+    assert launcher.argv is not None and launcher.argv[1:3] == ["-m", "sglang.launch_server"]
+    assert launcher.env == {"RLMESH_AUTH_TOKEN": ""} and engine.client.token == ""
 
 
 async def test_the_token_defaults_to_the_environment_and_reaches_an_attached_server(monkeypatch):
