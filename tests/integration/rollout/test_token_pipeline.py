@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.job.report import engine_server_info
 from rlmesh.learner.weight_push import WeightPusher
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
@@ -129,6 +130,8 @@ def test_a_replica_generates_and_takes_pushed_weights_with_a_token_and_a_redis_p
             timeout_s=180,
         )
         asyncio.run(generate_and_push(redis.url, target))
+        # What `rlmesh train` reports of each engine, through Rollout.GetInfo and the engine's API.
+        assert engine_server_info(replica.grpc_address, TOKEN)["weight_version"] == "7"
         # redis, reward, the replica, and the replica's children: its engine among them
         cmdlines = [
             Path(f"/proc/{pid}/cmdline").read_bytes()
