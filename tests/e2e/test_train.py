@@ -390,24 +390,33 @@ def test_a_service_that_cannot_start_fails_the_job_naming_it_and_its_log(user, t
 
 @pytest.mark.timeout(300)
 def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
-    """Given rlmesh.redis_url and rlmesh.reward.addresses, rlmesh train starts neither and uses them."""
+    """Given rlmesh.redis_url and rlmesh.reward.addresses, rlmesh train starts neither and uses them;
+    with a Redis password and rlmesh.auth_token, which every call (engines' HTTP API and the
+    learner's weight pushes included) then carries, and which no log or summary shows."""
     import redis as redis_client
 
+    from rlmesh.config.secrets import redact_url
     from rlmesh.job.stack import free_port_overrides
     from rlmesh.runtime.launcher import ProcessLauncher
 
+    token, redis_password = "e2e-token-6b1", "e2e-redis-pw-2f"
     run_dir = tmp_path / "attached-run"
     with ProcessLauncher(tmp_path / "theirs") as theirs:
-        redis = theirs.start_redis()
+        redis = theirs.start_redis(password=redis_password)
         reward = theirs.start_service(
             "reward",
             config_path=user.config,
-            overrides=[f"rlmesh.redis_url={redis.url}", *free_port_overrides("reward")],
+            overrides=[
+                f"rlmesh.redis_url={redis.url}",
+                f"rlmesh.auth_token={token}",
+                *free_port_overrides("reward"),
+            ],
         )
         calls_before = len(user.marker.read_text().splitlines()) if user.marker.exists() else 0
         proc = rlmesh_train(
             user.config,
             f"rlmesh.redis_url={redis.url}",
+            f"rlmesh.auth_token={token}",
             f"rlmesh.reward.addresses=['{reward.grpc_address}']",
             f"trainer.default_local_dir={run_dir}",
             "trainer.total_training_steps=1",
@@ -417,7 +426,9 @@ def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
         summary = summary_of(proc)
         assert summary["steps"] == 1
         assert re.search(
-            rf"^\[train\] redis +{re.escape(redis.url)} \(given: not started here\)", proc.stdout, re.M
+            rf"^\[train\] redis +{re.escape(redact_url(redis.url))} \(given: not started here\)",
+            proc.stdout,
+            re.M,
         )
         assert re.search(r"^\[train\] reward +\S+ \(given: not started here\)", proc.stdout, re.M)
         logs = {p.stem for p in (run_dir / "services" / "attached" / "logs").iterdir()}
@@ -427,6 +438,14 @@ def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
         assert reward.process.alive() and redis.process.alive()
         keys = redis_client.Redis.from_url(redis.url).keys("rlmesh:{attached}:*")
         assert keys, "the run left nothing in the given Redis"
+        # The engine's counters came back through its token (else the summary says it could not).
+        assert "could not read the engine counters" not in proc.stdout
+        service_logs = "".join(
+            p.read_text(errors="replace") for p in (run_dir / "services" / "attached" / "logs").iterdir()
+        )
+        assert "answered 401" not in service_logs and "dropped from the push" not in service_logs
+        for text in (proc.stdout, proc.stderr, service_logs):
+            assert token not in text and redis_password not in text
 
 
 @pytest.mark.timeout(300)
