@@ -252,8 +252,10 @@ class ProcessLauncher:
         password: str | None = None,
         acl_users: Sequence[str] = (),
         tls: RedisTLS | None = None,
+        host: str = "127.0.0.1",
     ) -> RedisInstance:
-        """A private redis-server on a free loopback port with its own data dir (AOF on by default).
+        """A private redis-server on a free port of ``host`` (loopback by default) with its own data
+        dir (AOF on by default).
 
         ``password``: its requirepass; ``acl_users``: ACL rules, one user each (``"alice on >pw ~*
         +@all"``); both go in a config file only its owner can read, never in its argv. ``tls``:
@@ -264,7 +266,7 @@ class ProcessLauncher:
                 "redis-server not found on PATH: install it (`apt-get install redis-server`; "
                 "`make demo` does this) or point rlmesh.redis_url at a server"
             )
-        host, port = "127.0.0.1", port or free_port()
+        port = port or free_port()
         data_dir = self.workdir / name
         data_dir.mkdir(exist_ok=True)
         secrets = [f"requirepass {_redis_config_quote(password)}"] if password is not None else []
