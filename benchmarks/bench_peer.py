@@ -202,9 +202,12 @@ def rlmesh_overrides(
     out_dir: Path,
     replicas: int = 2,
     threads: int = 1,
+    steps: int | None = None,
 ) -> dict[str, Any]:
     """Every key=value ``rlmesh train`` gets for one of the rlmesh runs (``trl-knobs`` or ``fast``);
-    ``threads`` torch threads for the learner, as many as TRL's process gets."""
+    ``threads`` torch threads for the learner, as many as TRL's process gets; ``steps`` PPO steps
+    (default TRL's)."""
+    steps = steps or knobs.steps
     if run not in ("trl-knobs", "fast"):
         raise ValueError(f"not an rlmesh run: {run!r}")
     o = trl_knobs_overrides(knobs)
@@ -219,11 +222,11 @@ def rlmesh_overrides(
             "trainer.device": "cpu",
             "trainer.n_gpus_per_node": 0,
             "trainer.total_epochs": 1,
-            "trainer.total_training_steps": knobs.steps,
+            "trainer.total_training_steps": steps,
             "trainer.test_freq": knobs.eval_every,
             "trainer.val_before_train": True,
             # One checkpoint, after the last step: the exported actor's greedy accuracy is read from it.
-            "trainer.save_freq": knobs.steps,
+            "trainer.save_freq": steps,
             "trainer.logger": "[console]",
             "trainer.project_name": "bench_peer",
             "trainer.experiment_name": run,
@@ -721,6 +724,8 @@ def run_rlmesh(
     from rlmesh.job.report import read_metrics
 
     run_dir = outdir / f"rlmesh-{run}"
+    # Judged by its time to TRL's final accuracy, the fast config may take more (cheaper) steps.
+    steps = (args.fast_steps or 2 * knobs.steps) if run == "fast" else knobs.steps
     overrides = rlmesh_overrides(
         knobs,
         run,
@@ -730,6 +735,7 @@ def run_rlmesh(
         out_dir=run_dir,
         replicas=args.replicas,
         threads=args.threads,
+        steps=steps,
     )
     extra = args.rlmesh_override if run in args.override_runs.split(",") else []
     overrides.update(dict(kv.split("=", 1) for kv in extra))
@@ -737,7 +743,7 @@ def run_rlmesh(
     keys = [*(FAST_OVERRIDES if run == "fast" else ()), *(kv.split("=", 1)[0] for kv in extra)]
     changed = as_cli({k: overrides[k] for k in dict.fromkeys(keys)})
     say(
-        f"rlmesh ({run}): rlmesh train, {knobs.steps} steps, TRL's knobs"
+        f"rlmesh ({run}): rlmesh train, {steps} steps, TRL's knobs"
         + (" but " + " ".join(changed) if changed else "")
     )
     code, wall = stream(argv, f"[{run}] ")
@@ -791,6 +797,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--trl-result", default=None, help="an earlier run's results.json: reuse its TRL run")
     p.add_argument("--replicas", type=int, default=2, help="rlmesh rollout replicas")
+    p.add_argument(
+        "--fast-steps",
+        type=int,
+        default=0,
+        help="PPO steps of the fast run (default twice --steps: it is judged by its time to TRL's final "
+        "accuracy, not by its steps)",
+    )
     p.add_argument("--rlmesh-override", action="append", default=[], help="extra key=value for rlmesh runs")
     p.add_argument("--override-runs", default="trl-knobs,fast", help="the runs --rlmesh-override applies to")
     args = p.parse_args(argv)
