@@ -104,6 +104,12 @@ def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     return export_main(rest)
 
 
+def cmd_ray(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.ray.cli import main as ray_main
+
+    return ray_main(rest)
+
+
 def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
     from rlmesh.wire.protogen import main as protogen_main
 
@@ -181,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write the actor of a checkpoint as an HF directory (LoRA merged)", add_help=False
     )
     p.set_defaults(func=cmd_export, passthrough=True)
+
+    p = sub.add_parser(
+        "ray", help="run a job on a Ray cluster, every service an actor (up, down)", add_help=False
+    )
+    p.set_defaults(func=cmd_ray, passthrough=True)
 
     p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
     p.set_defaults(func=cmd_protos, passthrough=True)

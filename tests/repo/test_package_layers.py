@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine", "reference", "reward"),  # the services' cores and their clients
     ("learner", "rollout"),  # the roles
     ("job",),  # whole jobs: train, demo, up, the stack starter
+    ("ray",),  # jobs on a Ray cluster: every service an actor
     ("cli",),  # the rlmesh command
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -1,0 +1,156 @@
+"""``ServiceShell``: the body of every rlmesh Ray actor. It runs one service (``rlmesh serve`` or a
+redis-server) as its child process on the actor's node and reports on it; no service logic here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlmesh.job.train import MetricsFollower
+from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
+
+log = logging.getLogger("rlmesh.ray")
+
+
+@dataclass(frozen=True)
+class ShellSpec:
+    """What one actor runs: everything it needs travels with it, the config file's text included,
+    so a node needs the code and the data the config names, nothing from the driver's disk."""
+
+    service: str  # redis, reward, reference, rollout, learner
+    name: str  # its name in logs and in the run (rollout-0)
+    workdir: str  # logs (and Redis data) go to <workdir>/logs on the actor's node
+    config_text: str | None = None
+    overrides: tuple[str, ...] = ()
+    cwd: str = ""  # the driver's: relative paths in the config resolve there when the node has it
+    health_timeout_s: float = 600.0
+    stop_grace_s: float = 30.0
+    restart_on_exit: bool = False  # a child that exits ends the actor, for Ray to restart it
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def node_overrides(service: str, node_ip: str) -> list[str]:
+    """Where a service listens on its node: the node's address (what other nodes reach), free
+    ports (it reports them), and for the learner the address engines join its weight group at."""
+    found = [
+        f"rlmesh.{service}.host={node_ip}",
+        f"rlmesh.{service}.port=0",
+        f"rlmesh.{service}.metrics_port=0",
+    ]
+    if service == "learner":
+        found.append(f"rlmesh.weight_sync.master_address={node_ip}")
+    return found
+
+
+class ServiceShell:
+    """Starts its service in ``__init__`` (Ray's constructor: it returns once the service is
+    healthy, or fails the actor with the service's log), then answers ``status`` and ``stop``.
+
+    Ray runs a plain actor's methods on the worker's main thread, the thread that started the child:
+    the child's parent-death signal (``ProcessLauncher``) fires when this worker dies, however it
+    dies, so a killed actor leaves no service behind. With ``restart_on_exit`` a child that exits
+    on its own (a replica whose engine was lost exits 3) takes the worker down with it, which Ray
+    counts as a death and answers with a restart, up to the actor's ``max_restarts``."""
+
+    def __init__(self, spec: ShellSpec) -> None:
+        import ray
+
+        context = ray.get_runtime_context()
+        self.spec = spec
+        self.node_id: str = context.get_node_id()
+        # The address the node joined the cluster with: what the other nodes reach it at.
+        self.node_ip: str = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id)
+        self.restarted: bool = bool(context.was_current_actor_reconstructed)
+        self.resources: dict[str, float] = dict(context.get_assigned_resources())
+        self.stopping = False
+        if spec.cwd and os.path.isdir(spec.cwd):
+            os.chdir(spec.cwd)  # this worker runs this actor alone: the change is its own
+        os.environ.update(spec.env)
+        workdir = Path(spec.workdir)
+        self.launcher = ProcessLauncher(workdir, stop_grace_s=spec.stop_grace_s)
+        self.address = ""
+        self.metrics_port: int | None = None
+        self.follower: MetricsFollower | None = None
+        try:
+            self.process = self._start(workdir)
+        except BaseException:
+            self.launcher.stop_all()
+            raise
+        if spec.restart_on_exit:
+            threading.Thread(target=self._exit_with_child, daemon=True, name="child-watch").start()
+
+    def _start(self, workdir: Path) -> ManagedProcess:
+        spec = self.spec
+        if spec.service == "redis":
+            redis = self.launcher.start_redis(host=self.node_ip)
+            self.address = redis.url
+            return redis.process
+        config_path = None
+        if spec.config_text is not None:
+            config_path = workdir / f"{spec.name}.config.yaml"
+            config_path.write_text(spec.config_text)
+        overrides = [*spec.overrides, *node_overrides(spec.service, self.node_ip)]
+        if spec.service == "learner":
+            from rlmesh.config import load_config
+
+            cfg = load_config(str(config_path) if config_path else None, overrides)
+            # Only rows from here on: a resumed run appends to the same file.
+            self.follower = MetricsFollower(
+                Path(cfg.trainer.default_local_dir).expanduser() / "metrics.jsonl"
+            )
+        instance = self.launcher.start_service(
+            spec.service,
+            name=spec.name,
+            config_path=config_path,
+            overrides=overrides,
+            timeout_s=spec.health_timeout_s,
+        )
+        self.address, self.metrics_port = instance.grpc_address, instance.metrics_port
+        return instance.process
+
+    def _exit_with_child(self) -> None:
+        code = self.process.popen.wait()
+        if self.stopping:
+            return
+        print(
+            f"{self.spec.name} (pid {self.process.pid}) exited with code {code}: ending its actor "
+            f"so that Ray restarts it; its log: {self.process.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)  # an unexpected worker death: what Ray restarts (exit_actor() would be final)
+
+    def status(self, rows: bool = True) -> dict[str, Any]:
+        """Where it runs and how its service is: the driver polls this; ``rows`` are the learner's
+        metrics rows new since the last call that asked for them (only the driver asks)."""
+        return {
+            "name": self.spec.name,
+            "service": self.spec.service,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "actor_pid": os.getpid(),
+            "pid": self.process.pid,
+            "address": self.address,
+            "metrics_port": self.metrics_port,
+            "restarted": self.restarted,
+            "resources": self.resources,
+            "exit_code": self.process.popen.poll(),
+            "stopped": self.stopping,
+            "log": str(self.process.log_path),
+            "rows": self.follower.new_rows() if self.follower and rows else [],
+        }
+
+    def log_tail(self, lines: int = 20) -> str:
+        return self.process.log_tail(lines)
+
+    def stop(self) -> int | None:
+        """SIGTERM to the service (SIGKILL after the grace), then whatever it started; its exit code."""
+        self.stopping = True
+        code = self.launcher.stop(self.process)
+        self.launcher.stop_all()
+        return code
