@@ -136,6 +136,9 @@ def test_time_to_accuracy_is_the_first_evaluation_at_or_above_the_target():
     assert bench.time_to_accuracy(evals, 0.49)["step"] == 10  # a later dip does not matter
     assert bench.time_to_accuracy(evals, 0.3)["train_s"] == 0.0
     assert bench.time_to_accuracy(evals, 0.6) is None
+    # Over a window of 2: (0.45 + 0.5) / 2 at step 10 is the first mean at or above 0.47.
+    assert bench.time_to_accuracy(evals, 0.47, window=2) == {"step": 10, "train_s": 30.0, "acc": 0.475}
+    assert bench.time_to_accuracy(evals, 0.5, window=2) is None  # one evaluation at 0.5 is not enough
 
 
 def test_the_rlmesh_timeline_sums_step_times_and_leaves_validation_out():
@@ -167,10 +170,10 @@ def _result(step_s, accs, every=1):
 
 def test_the_summary_divides_rlmesh_time_to_trl_final_accuracy_by_trl_own():
     results = {
-        # TRL ends at 0.5, 0.5 after 0.45: its final accuracy is their mean, 0.483, which it first
-        # reaches at step 3 (9 s).
+        # TRL ends at 0.5, 0.5 after 0.45: its final accuracy is their mean, 0.483; the running mean
+        # of 3 evaluations first gets there at step 4 (12 s).
         "trl": _result([3.0] * 4, [0.3, 0.4, 0.45, 0.5, 0.5]),
-        # the same steps, twice as fast: 0.5 at step 3 after 4.5 s.
+        # steps twice as fast: a running mean of 0.533 at step 4, after 6 s.
         "fast": _result([1.5] * 4, [0.3, 0.35, 0.45, 0.55, 0.6]),
         # never reaches 0.5
         "trl-knobs": _result([4.0] * 4, [0.3, 0.3, 0.35, 0.4, 0.45]),
@@ -178,8 +181,9 @@ def test_the_summary_divides_rlmesh_time_to_trl_final_accuracy_by_trl_own():
     s = bench.summarize(results)
     assert s["target_acc"] == pytest.approx((0.45 + 0.5 + 0.5) / 3)
     trl, fast, knobs = s["runs"]["trl"], s["runs"]["fast"], s["runs"]["trl-knobs"]
-    assert trl["tta"]["train_s"] == 9.0 and trl["tta_ratio"] == 1.0
-    assert fast["tta"] == {"step": 3, "train_s": 4.5, "acc": 0.55}
+    assert trl["tta"]["train_s"] == 12.0 and trl["tta_ratio"] == 1.0
+    assert fast["tta"]["step"] == 4 and fast["tta"]["train_s"] == 6.0
+    assert fast["tta"]["acc"] == pytest.approx((0.45 + 0.55 + 0.6) / 3)
     assert fast["tta_ratio"] == fast["tta_median_ratio"] == pytest.approx(0.5)
     assert fast["s_per_step_ratio"] == fast["s_per_step_median_ratio"] == pytest.approx(0.5)
     assert knobs["tta"] is None and knobs["tta_ratio"] is None
@@ -191,7 +195,7 @@ def test_the_summary_divides_rlmesh_time_to_trl_final_accuracy_by_trl_own():
     ]
     assert s["trl_lift_significant"]  # 0.3 -> 0.5 over 256 prompts
     text = bench.table(s, bench.LABELS)
-    assert "not reached" in text and "| 4.5 s (step 3) | 0.50 (0.50) |" in text
+    assert "not reached" in text and "| 6.0 s (step 4) | 0.50 (0.50) |" in text
 
 
 def test_a_burst_of_other_work_in_one_run_does_not_decide_the_verdict():
@@ -216,8 +220,10 @@ def test_a_trl_run_that_did_not_improve_makes_the_ratio_say_nothing():
         "fast": _result([1.0] * 2, [0.30, 0.32, 0.30]),
     }
     s = bench.summarize(results)
-    assert s["trl_lift_significant"] is False  # +1 point over 256 prompts is noise
-    assert s["runs"]["fast"]["tta_ratio"] == pytest.approx(2.0 / 6.0)
+    assert s["trl_lift_significant"] is False  # +2 points over 2,048 answers is noise
+    assert s["target_acc"] == pytest.approx(0.32)  # the mean of the last two: a run of 2 evaluations
+    assert s["runs"]["trl"]["tta"]["step"] == 2
+    assert s["runs"]["fast"]["tta"] is None  # its running mean stays at 0.31
     lines = bench.verdicts(s)
     assert lines[0].startswith("TRL ended within two standard errors")
     assert lines[1].endswith("MISSED")  # a ratio against noise is not met
