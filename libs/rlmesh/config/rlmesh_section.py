@@ -20,6 +20,8 @@ SERVICE_PORTS: dict[str, tuple[int, int]] = {
 }
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# host, or host:port; an IPv6 literal in brackets.
+_ADVERTISE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?")
 _CPUS = re.compile(r"\s*(\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)?\s*")
 
 
@@ -33,6 +35,14 @@ class ServiceConfig(Section):
         default_factory=list,
         description="host:port where clients reach it, one per replica; empty = host:port",
     )
+    advertise_address: str | None = Field(
+        None,
+        description="host, or host:port, this service tells its peers to reach it at (the replica "
+        "registry, its ready file; the learner's host is also the weight-sync rendezvous), behind NAT, "
+        "a proxy or a container's port mapping; a host alone keeps the bound port. null = env "
+        "RLMESH_ADVERTISE_HOST, else the bound host, else (bound to 0.0.0.0 or ::) the address routing "
+        "to Redis (docs/design.md#addresses)",
+    )
     timeout_s: float = Field(60.0, gt=0, description="deadline of one call to this service, seconds")
     max_concurrency: int = Field(64, ge=1, description="calls served at once; more wait")
     cpus: str = Field(
@@ -45,6 +55,18 @@ class ServiceConfig(Section):
     @classmethod
     def _one_address(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _advertise(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        m = _ADVERTISE.fullmatch(value.strip())
+        if m is None or (m.group(2) and not 0 < int(m.group(2)[1:]) < 65536):
+            raise ValueError(f"{value!r}: expected host or host:port (an IPv6 literal in brackets)")
+        if m.group(1).strip("[]") in _WILDCARD_HOSTS:
+            raise ValueError(f"{value!r}: a wildcard address is not one a peer can dial")
+        return value.strip()
 
     @field_validator("cpus", mode="before")
     @classmethod
@@ -117,11 +139,6 @@ class RolloutServiceConfig(ServiceConfig):
         description="rollout replicas `rlmesh train` starts on this machine; 0 = start none and use "
         "the replicas already registered in rlmesh.redis_url",
     )
-    advertise_address: str | None = Field(
-        None,
-        description="host:port the learner uses for this replica's gRPC (behind NAT, a proxy or a "
-        "container's port mapping); null = the address it binds",
-    )
 
 
 class LearnerServiceConfig(ServiceConfig):
@@ -167,7 +184,12 @@ class WeightSyncConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process-group backend; auto = nccl on GPU"
     )
-    master_address: str = Field("127.0.0.1", description="address engines use to join the learner's group")
+    master_address: str | None = Field(
+        None,
+        description="host engines dial to join the learner's weight group (its rendezvous); null = the "
+        "learner's advertised host (rlmesh.learner.advertise_address, env RLMESH_ADVERTISE_HOST, its "
+        "bound host; docs/design.md#addresses)",
+    )
     master_port: int = Field(
         0, ge=0, le=65535, description="rendezvous port of the group; 0 = pick a free one"
     )
@@ -258,8 +280,8 @@ class SamplerConfig(Section):
     engine_port: int = Field(0, ge=0, le=65535, description="port of the replica's engine; 0 = a free one")
     engine_advertise_url: str | None = Field(
         None,
-        description="URL the learner uses for this replica's engine (weight pushes); null = the engine's "
-        "own URL, on the replica's host",
+        description="URL the learner uses for this replica's engine (weight pushes); null = "
+        "http://<the replica's advertised host>:<engine port>; the engine binds rlmesh.rollout.host",
     )
     engine_startup_timeout_s: float = Field(
         600.0, gt=0, description="wait this long for the engine to be healthy"

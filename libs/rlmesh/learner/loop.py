@@ -32,7 +32,7 @@ from rlmesh.learner.feeder import PromptFeeder, index_of
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import MetricsSinks
 from rlmesh.learner.validation import val_sampling, validate
-from rlmesh.learner.weight_push import WeightPusher, WeightPushError
+from rlmesh.learner.weight_push import WeightPusher, WeightPushError, weight_master_address
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
     ReplicaRegistry,
@@ -217,7 +217,7 @@ class TrainingLoop:
         self.pusher = WeightPusher(
             [],
             backend=backend,
-            master_address=ws.master_address,
+            master_address=weight_master_address(cfg),
             timeout_s=ws.timeout_s,
             control_timeout_s=ws.control_timeout_s,
             bucket_bytes=ws.bucket_size_mb << 20,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlmesh.config import RLMeshConfig
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner.weight_broadcast import push_bucket
 from rlmesh.learner.weight_cycle import each, update_cycle
@@ -25,6 +26,7 @@ from rlmesh.learner.weight_verify import (
     first_rows,
     same_values,
 )
+from rlmesh.runtime.net import advertised_host
 from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS
 
 __all__ = [
@@ -40,9 +42,24 @@ __all__ = [
     "differing",
     "first_rows",
     "same_values",
+    "weight_master_address",
 ]
 
 log = logging.getLogger("rlmesh.weights")
+
+
+def weight_master_address(cfg: RLMeshConfig) -> str:
+    """The host engines dial to join the learner's weight groups: ``rlmesh.weight_sync.master_address``,
+    else the learner's advertised host (docs/design.md#addresses)."""
+    if cfg.rlmesh.weight_sync.master_address:
+        return cfg.rlmesh.weight_sync.master_address
+    learner = cfg.rlmesh.learner
+    return advertised_host(
+        learner.host,
+        advertise=learner.advertise_address,
+        key="rlmesh.learner.advertise_address",
+        redis_url=cfg.rlmesh.redis_url,
+    )
 
 
 class WeightPushError(RuntimeError):

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from rlmesh.config import ENV_AUTH_TOKEN, ConfigError, RLMeshConfig, load_config
 from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.logs import configure_logging
+from rlmesh.runtime.net import advertised_address, warn_if_open
 from rlmesh.runtime.server import GrpcService
 
 BuildService = Callable[[GrpcService, RLMeshConfig], Awaitable[None]]
@@ -64,11 +65,28 @@ def service_main(
         print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
         return 2
 
+    def advertise(port: int) -> str:
+        return advertised_address(
+            section.host,
+            port,
+            advertise=section.advertise_address,
+            key=f"rlmesh.{name}.advertise_address",
+            redis_url=cfg.rlmesh.redis_url,
+        )
+
+    try:
+        advertise(section.port or 1)  # a bad RLMESH_ADVERTISE_HOST fails here, not once serving
+    except ValueError as e:
+        print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    warn_if_open(section.host, f"the {name} service (rlmesh.{name}.host)", cfg.rlmesh.auth_token)
+
     async def run() -> int:
         service = GrpcService(
             name,
             host=section.host,
             port=section.port,
+            advertise=advertise,
             metrics_port=section.metrics_port,
             auth_token=cfg.rlmesh.auth_token,
             shutdown_grace_s=cfg.rlmesh.runtime.shutdown_grace_s,

@@ -23,7 +23,7 @@ from urllib.parse import quote, urlencode
 
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
-from rlmesh.runtime.net import free_port
+from rlmesh.runtime.net import bracket, dial_host, free_port, host_of, is_wildcard
 
 log = logging.getLogger("rlmesh.launcher")
 
@@ -63,6 +63,13 @@ def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+
+
+def dial_address(ready: dict) -> str:
+    """Where this host reaches a service from its ready file: the address it bound, or, bound to a
+    wildcard, the one it advertises (a service in another network namespace has no loopback here)."""
+    bound = str(ready["grpc_address"])
+    return str(ready.get("advertise_address") or bound) if is_wildcard(host_of(bound)) else bound
 
 
 def local_rendezvous(world_size: int) -> dict[str, str]:
@@ -351,14 +358,14 @@ class ProcessLauncher:
             if not ready_file.exists():
                 return False
             proc.info = json.loads(ready_file.read_text())
-            return grpc_health(str(proc.info["grpc_address"]), timeout_s=1.0) == "SERVING"
+            return grpc_health(dial_address(proc.info), timeout_s=1.0) == "SERVING"
 
         self.wait_ready(proc, ready, timeout_s, also_alive)
         metrics_port = proc.info.get("metrics_port")
         return ServiceInstance(
             process=proc,
             name=name,
-            grpc_address=str(proc.info["grpc_address"]),
+            grpc_address=dial_address(proc.info),
             metrics_port=int(metrics_port) if metrics_port is not None else None,
         )
 
@@ -417,7 +424,8 @@ class ProcessLauncher:
         env: dict[str, str] | None = None,
         timeout_s: float = 180.0,
     ) -> EngineInstance:
-        """Runs ``rlmesh engine`` (the embedded engine) on a free port; waits until /health answers."""
+        """Runs ``rlmesh engine`` (the embedded engine) on a free port of ``host``; waits until /health
+        answers. The URL it returns dials ``host``, or loopback when ``host`` is a wildcard."""
         ready_file = self.workdir / f"{name}.ready.json"
         ready_file.unlink(missing_ok=True)
         argv = [
@@ -441,10 +449,11 @@ class ProcessLauncher:
             if not ready_file.exists():
                 return False
             proc.info = json.loads(ready_file.read_text())
-            return http_ok(f"http://{host}:{proc.info['port']}/health")
+            return http_ok(f"http://{dial}:{proc.info['port']}/health")
 
+        dial = bracket(dial_host(host))
         self.wait_ready(proc, ready, timeout_s)
-        return EngineInstance(process=proc, url=f"http://{host}:{proc.info['port']}")
+        return EngineInstance(process=proc, url=f"http://{dial}:{proc.info['port']}")
 
     def stop(self, proc: ManagedProcess, grace_s: float | None = None) -> int | None:
         """SIGTERM to the child's process group, SIGKILL after the grace period; returns its exit code."""

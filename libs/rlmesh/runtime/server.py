@@ -61,6 +61,7 @@ class GrpcService:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise: Callable[[int], str] | None = None,
         metrics_host: str | None = None,
         metrics_port: int | None = 0,
         auth_token: str | None = None,
@@ -72,6 +73,7 @@ class GrpcService:
         self.name = name
         self.host = host
         self.requested_port = port
+        self._advertise = advertise
         self.metrics_host = metrics_host or host
         self.requested_metrics_port = metrics_port
         self.shutdown_grace_s = shutdown_grace_s
@@ -106,6 +108,13 @@ class GrpcService:
         if self.port is None:
             raise RuntimeError(f"{self.name}: not started")
         return f"{self.host}:{self.port}"
+
+    @property
+    def advertised_address(self) -> str:
+        """Where peers are told to reach it (docs/design.md#addresses); the bound address if none."""
+        if self.port is None:
+            raise RuntimeError(f"{self.name}: not started")
+        return self._advertise(self.port) if self._advertise else self.address
 
     def add_servicer(self, add_fn: AddServicer, servicer: Any, full_service_name: str) -> None:
         """Registers a generated servicer, e.g. ``reward_pb2_grpc.add_RewardServicer_to_server``."""
@@ -159,6 +168,7 @@ class GrpcService:
             "serving",
             extra={
                 "grpc_address": self.address,
+                "advertise_address": self.advertised_address,
                 "metrics_port": self.metrics_port,
                 "services": self._service_names,
             },
@@ -178,6 +188,7 @@ class GrpcService:
             "name": self.name,
             "pid": os.getpid(),
             "grpc_address": self.address,
+            "advertise_address": self.advertised_address,
             "grpc_port": self.port,
             "metrics_port": self.metrics_port,
         }

@@ -202,12 +202,7 @@ def test_rlmesh_section_defaults(defaults: RLMeshConfig) -> None:
         assert (service.addresses, service.timeout_s, service.max_concurrency) == ([], 60.0, 64)
         assert service.client_addresses() == [f"127.0.0.1:{port}"]
     ws = r.weight_sync
-    assert (ws.transport, ws.backend, ws.master_address, ws.master_port) == (
-        "distributed",
-        "auto",
-        "127.0.0.1",
-        0,
-    )
+    assert (ws.transport, ws.backend, ws.master_address, ws.master_port) == ("distributed", "auto", None, 0)
     assert (ws.bucket_size_mb, ws.timeout_s, ws.verify_tensors, ws.disk_dir) == (256, 300.0, 4, None)
     assert ws.load_format == "flattened_bucket"
     assert (r.runtime.shutdown_grace_s, r.runtime.health_timeout_s) == (30.0, 120.0)
