@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmesh.config.secrets import redact_url
 from rlmesh.ray.plan import NAMESPACE, ActorPlan
 from rlmesh.ray.shell import ServiceShell, ShellSpec
 
@@ -46,9 +47,7 @@ def create(plan: ActorPlan, run_id: str, spec: ShellSpec) -> Actor:
 
 def describe(status: dict[str, Any]) -> str:
     res = ", ".join(f"{k} {v:g}" for k, v in sorted(status["resources"].items())) or "no resources"
-    return (
-        f"{status['address']} (node {status['node_id'][:8]} {status['node_ip']}, pid {status['pid']}, {res})"
-    )
+    return f"{redact_url(status['address'])} (node {status['node_id'][:8]} {status['node_ip']}, pid {status['pid']}, {res})"
 
 
 def wait_started(actors: Sequence[Actor], say: Say, progress_every_s: float = 15.0) -> None:

@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    # parse_intermixed_args does not take subcommands: overrides after a flag come back as extras.
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if extra and (args.action != "up" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.action == "up":
         try:
             flags = {

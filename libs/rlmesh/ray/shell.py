@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -87,7 +88,10 @@ class ServiceShell:
     def _start(self, workdir: Path) -> ManagedProcess:
         spec = self.spec
         if spec.service == "redis":
-            redis = self.launcher.start_redis(host=self.node_ip)
+            # Other nodes reach it on the node's address, where a Redis without a password is in
+            # protected mode (it answers DENIED to all but loopback): a password per run, which
+            # reaches the services as a secret override (rlmesh.config.secrets), never their argv.
+            redis = self.launcher.start_redis(host=self.node_ip, password=secrets.token_urlsafe(18))
             self.address = redis.url
             return redis.process
         config_path = None

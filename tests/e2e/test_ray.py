@@ -1,0 +1,222 @@
+"""``rlmesh ray up`` on a real Ray cluster of two nodes on this machine: every service an actor, the
+replica placed on the second node by a custom resource; its actor is killed mid-run and the job still
+trains every step; ``rlmesh ray down`` stops a run from outside, leaving no process behind."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.jobs import Files, Job, audit, engine_of, make_files, overrides
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, pid_alive
+from tests.support.repo import CPU_DEMO, REPO
+
+ray = pytest.importorskip("ray")
+
+from tests.support.ray_cluster import RayCluster, start_cluster  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+STEPS = 4
+NAMESPACE = "rlmesh"
+
+
+class RayJob(Job):
+    """``rlmesh ray ...`` as a subprocess, its output read as it comes."""
+
+    @classmethod
+    def start(cls, argv: list[str]) -> RayJob:  # type: ignore[override]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh.cli", "ray", *argv],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        job = cls(proc)
+        threading.Thread(target=job._read, daemon=True).start()
+        return job
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    c = start_cluster()
+    try:
+        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 60, "both Ray nodes to be alive")
+        yield c
+    finally:
+        ray.shutdown()
+        left = c.stop()
+        shutil.rmtree(c.root, ignore_errors=True)
+        assert not left, f"Ray processes left after stopping the cluster (killed): {left}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Files:
+    return make_files(tmp_path_factory.mktemp("ray-files"))
+
+
+def node_with(resource: str) -> str:
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+    return node
+
+
+def up_argv(cluster: RayCluster, files: Files, run_dir: Path, run_id: str, steps: int) -> list[str]:
+    return [
+        "up",
+        "-c",
+        str(CPU_DEMO),
+        "--address",
+        cluster.address,
+        # The replica on the second node, the rest on the head: placement across nodes.
+        "--resources",
+        'rollout={"node2": 1}',
+        "--resources",
+        'redis={"head": 0.1}',
+        "--resources",
+        'reward={"head": 0.1}',
+        "--resources",
+        'learner={"head": 0.1}',
+        "--max-restarts",
+        "2",
+        *overrides(files, run_dir, steps),
+        "rlmesh.rollout.replicas=1",
+        f"rlmesh.run_id={run_id}",
+    ]
+
+
+def actor(run_id: str, name: str) -> Any:
+    return ray.get_actor(f"{run_id}/{name}", namespace=NAMESPACE)
+
+
+def status(run_id: str, name: str, timeout_s: float = 60) -> dict[str, Any]:
+    # rows=False: the learner's metrics rows are for `ray up`'s progress lines, not this test.
+    return ray.get(actor(run_id, name).status.remote(rows=False), timeout=timeout_s)
+
+
+def restarted_status(run_id: str, name: str, old_actor_pid: int, timeout_s: float) -> dict[str, Any]:
+    """The status of ``name``'s next incarnation: a call made while Ray restarts the actor waits for
+    the new constructor (the service healthy again); one that reached the dying worker fails."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{name} was not restarted within {timeout_s} s"
+        try:
+            st = status(run_id, name, timeout_s=left)
+        except ray.exceptions.RayActorError:
+            continue
+        if st["actor_pid"] != old_actor_pid:
+            return st
+
+
+def registered_address(redis_url: str, run_id: str, replica_id: str) -> str | None:
+    import redis
+
+    from rlmesh.queue.keys import RunKeys
+    from rlmesh.v1 import trajectory_pb2
+
+    with redis.Redis.from_url(redis_url) as client:
+        raw = client.get(RunKeys(run_id).replica(replica_id))
+    return trajectory_pb2.ReplicaRegistration.FromString(raw).grpc_address if raw else None
+
+
+def run_actors(run_id: str) -> list[str]:
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(f"{run_id}/")
+    ]
+
+
+def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, files, tmp_path):
+    run_id, run_dir = f"ray-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    job = RayJob.start(up_argv(cluster, files, run_dir, run_id, STEPS))
+    pids: list[int] = []
+    try:
+        job.wait_for(rf"^\[ray\] step +1/{STEPS} ", timeout_s=400)
+        head, node2 = node_with("head"), node_with("node2")
+        placed = {name: status(run_id, name) for name in ("redis", "reward", "rollout-0", "learner")}
+        assert placed["rollout-0"]["node_id"] == node2
+        assert placed["rollout-0"]["resources"].get("node2") == 1
+        for name in ("redis", "reward", "learner"):
+            assert placed[name]["node_id"] == head, f"{name} ran on {placed[name]['node_id']}, not the head"
+        before = placed["rollout-0"]
+        engine = engine_of(before["pid"])
+        pids = [st["pid"] for st in placed.values()] + [engine]
+
+        ray.kill(actor(run_id, "rollout-0"), no_restart=False)
+        after = restarted_status(run_id, "rollout-0", before["actor_pid"], timeout_s=300)
+        assert after["restarted"] is True
+        assert after["node_id"] == node2
+        assert after["address"] != before["address"]
+        pids += [after["pid"], engine_of(after["pid"])]
+        # The killed actor's service and its engine died with its worker (parent-death signal).
+        for pid in (before["pid"], engine):
+            wait_until(lambda p=pid: not pid_alive(p), 60, f"pid {pid} of the killed replica to exit")
+        # It rejoined the run through the replica registry, at its new address.
+        wait_until(
+            lambda: registered_address(placed["redis"]["address"], run_id, "rollout-0") == after["address"],
+            60,
+            "rollout-0 to register its new address",
+        )
+        job.wait_for(r"^\[ray\] rollout-0 is back: ", timeout_s=60)
+        assert job.finish(timeout_s=600) == 0, job.tail()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=120)
+        print("\n" + job.tail(60))  # what `ray up` said, for -s and failures
+    assert job.count(rf"^\[ray\] step +{STEPS}/{STEPS} ") == 1, job.tail()
+    assert job.count(r"^\[ray\] every actor stopped") == 1, job.tail()
+    audit(files, run_dir, STEPS)  # every step trained on its planned prompts, every sample
+    assert not [p for p in pids if pid_alive(p)], "service processes outlived the job"
+    wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
+
+
+def test_ray_down_stops_a_running_job_and_everything_it_started(cluster, files, tmp_path):
+    run_id, run_dir = f"ray-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    job = RayJob.start(up_argv(cluster, files, run_dir, run_id, 200))
+    try:
+        job.wait_for(r"^\[ray\] \d+ actors healthy", timeout_s=400)
+        pids = [status(run_id, n)["pid"] for n in ("redis", "reward", "rollout-0", "learner")]
+        down = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlmesh.cli",
+                "ray",
+                "down",
+                "--address",
+                cluster.address,
+                "--run-id",
+                run_id,
+            ],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "every actor stopped (4)" in down.stdout, down.stdout
+        assert job.finish(timeout_s=180) == 1, job.tail()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=120)
+    assert job.count(r"stopped from outside|actor died") >= 1, job.tail()
+    assert not [p for p in pids if pid_alive(p)], "service processes outlived ray down"
+    wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
