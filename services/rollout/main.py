@@ -23,7 +23,7 @@ async def build(service: GrpcService, cfg: RLMeshConfig) -> None:
 
     replica = await RolloutReplica.create(cfg, metrics_registry=service.registry, on_lost=on_lost)
     service.add_servicer(rollout_pb2_grpc.add_RolloutServicer_to_server, replica.servicer, SERVICE_NAME)
-    service.on_start(lambda: replica.start(service.address))
+    service.on_start(lambda: replica.start(service.advertised_address))
     service.on_shutdown(replica.stop)
 
 

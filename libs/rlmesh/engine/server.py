@@ -17,6 +17,7 @@ from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
 from rlmesh.runtime.entry import limit_torch_threads
 from rlmesh.runtime.logs import configure_logging
+from rlmesh.runtime.net import warn_if_open
 
 __all__ = ["create_app", "main"]
 
@@ -25,7 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit_torch_threads()  # before the model loads, the first work torch does
     parser = argparse.ArgumentParser(prog="rlmesh engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True, help="HF model directory (AutoModelForCausalLM)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; beyond loopback, set RLMESH_AUTH_TOKEN"
+    )
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--weight-version", default="default")
@@ -42,9 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections accepted from a socket that
     # names it. Without it Nagle holds each response's body until the client ACKs the headers,
     # which a delayed ACK makes ~40 ms per request.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock.bind((args.host.strip("[]"), args.port))
+    token = os.environ.get(ENV_AUTH_TOKEN) or None
+    warn_if_open(args.host, "the engine (--host)", token)
     port = {"port": sock.getsockname()[1]}
     app = create_app(
         args.model_path,
@@ -55,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ready_file=args.ready_file,
         port_holder=port,
         # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
-        auth_token=os.environ.get(ENV_AUTH_TOKEN) or None,
+        auth_token=token,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])

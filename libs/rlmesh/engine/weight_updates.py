@@ -14,6 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from rlmesh.runtime.net import bracket, gloo_interface_toward
 from rlmesh.weights.bucket import FLATTENED_BUCKET, LOAD_FORMATS, layout, tensor_views, uint8_buffer
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
 
@@ -152,7 +153,14 @@ class EngineWeights:
             log.warning("weight update group %s exists; replacing it", group_name)
             destroy_process_group(self.groups.pop(group_name))
         self.groups[group_name] = init_custom_process_group(
-            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset, group_name, timeout_s
+            backend,
+            f"tcp://{bracket(master_address)}:{master_port}",
+            world_size,
+            rank_offset,
+            group_name,
+            timeout_s,
+            # Off loopback, gloo must listen where the trainer can reach it: the route toward it.
+            gloo_interface=gloo_interface_toward(master_address),
         )
         log.info(
             "joined weight update group %s as rank %d of %d (%s)",

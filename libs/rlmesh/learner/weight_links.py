@@ -3,6 +3,7 @@ so a replica that dies mid-push breaks only its own group (docs/sglang.md)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.runtime.net import free_port
+from rlmesh.runtime.net import WILDCARD_IPV4, bracket, free_port, gloo_interface_toward
 from rlmesh.runtime.threads import run_in_daemon_thread
 from rlmesh.weights.bucket import FLATTENED_BUCKET
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group
@@ -78,12 +79,13 @@ async def build_group(
     """Builds ``link``'s group (the trainer is rank 0) and settles what the engine is sent; an
     engine that fails is marked unhealthy and listed in ``failed``."""
     link.group_name = group_name
-    port = free_port(master_address)
+    # The store listens on every interface; master_address may not be one of ours (NAT).
+    port = free_port(WILDCARD_IPV4)
     world = 1 + link.ranks
     own = run_in_daemon_thread(
-        init_custom_process_group,
+        functools.partial(init_custom_process_group, gloo_interface=gloo_interface_toward(master_address)),
         backend,
-        f"tcp://{master_address}:{port}",
+        f"tcp://{bracket(master_address)}:{port}",
         world,
         0,
         group_name,

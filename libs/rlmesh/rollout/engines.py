@@ -14,7 +14,7 @@ from pathlib import Path
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.client import EngineClient
 from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
-from rlmesh.runtime.net import free_port
+from rlmesh.runtime.net import bracket, dial_host, free_port, warn_if_open
 
 log = logging.getLogger("rlmesh.rollout")
 
@@ -114,6 +114,7 @@ async def start_engine(
     startup_timeout_s: float,
     request_timeout_s: float,
     port: int = 0,
+    host: str = "127.0.0.1",
     tp_size: int = 1,
     mem_fraction_static: float = 0.5,
     dtype: str = "bfloat16",
@@ -124,7 +125,10 @@ async def start_engine(
 ) -> RunningEngine:
     """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
     handed over in the child's environment, never its argv; the client sends it, also to an engine
-    it attaches to. None = env RLMESH_AUTH_TOKEN, as for the config's ``rlmesh.auth_token``."""
+    it attaches to. None = env RLMESH_AUTH_TOKEN, as for the config's ``rlmesh.auth_token``.
+
+    ``host``: the address an engine it starts binds (the replica's; a wildcard binds every
+    interface); it reaches that engine on loopback then."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
     # Set either way: an engine told no token must not inherit one from this process's environment.
@@ -136,6 +140,7 @@ async def start_engine(
             launcher.start_engine,
             model_path,
             name=f"{name}-engine",
+            host=host,
             port=port,
             extra_args=["--max-batch-size", str(max_batch_size)],
             env=env,
@@ -154,10 +159,12 @@ async def start_engine(
         await client.wait_healthy(startup_timeout_s)
         ranks = weight_sync_ranks_of(await client.server_info())
         return RunningEngine("sglang", attach_urls[0], client, weight_sync_ranks=ranks)
-    port = port or free_port()
+    port = port or free_port(host)
+    warn_if_open(host, f"SGLang server {name}-sglang", token)
     argv = sglang_launch_argv(
         model_path,
         port,
+        host=host,
         tp_size=tp_size,
         mem_fraction_static=mem_fraction_static,
         seed=seed,
@@ -176,7 +183,7 @@ async def start_engine(
         }
     )
     proc = launcher.spawn(f"{name}-sglang", argv, env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{bracket(dial_host(host))}:{port}"
     client = EngineClient(url, timeout_s=request_timeout_s, name=f"{name}-sglang", token=token or "")
     deadline = asyncio.get_running_loop().time() + startup_timeout_s
     while not await client.healthy():

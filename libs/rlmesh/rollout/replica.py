@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.models.tokenizer import load_tokenizer
@@ -23,6 +24,7 @@ from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, parse_version
 from rlmesh.rollout.servicer import RolloutServicer
 from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.runtime.net import advertised_host, bracket
 from rlmesh.v1 import trajectory_pb2
 
 log = logging.getLogger("rlmesh.rollout")
@@ -61,6 +63,8 @@ def sampler_settings(cfg: RLMeshConfig, replica_id: str) -> SamplerSettings:
 async def start_replica_engine(
     cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str
 ) -> RunningEngine:
+    """The engine binds the replica's own bind host, so a learner elsewhere reaches it when the
+    replica does (docs/design.md#addresses)."""
     rollout, sampler = cfg.actor_rollout_ref.rollout, cfg.rlmesh.sampler
     return await start_engine(
         kind=rollout.name,
@@ -72,6 +76,7 @@ async def start_replica_engine(
         startup_timeout_s=sampler.engine_startup_timeout_s,
         request_timeout_s=max(600.0, cfg.rlmesh.rollout.timeout_s),
         port=sampler.engine_port,
+        host=cfg.rlmesh.rollout.host,
         tp_size=rollout.tensor_model_parallel_size if rollout.name == "sglang" else 1,
         mem_fraction_static=rollout.gpu_memory_utilization,
         dtype=rollout.dtype,
@@ -121,6 +126,13 @@ class RolloutReplica:
             on_drained=self.deregister,
         )
         self.grpc_address = ""
+        rollout = cfg.rlmesh.rollout
+        self.advertise_host = advertised_host(
+            rollout.host,
+            advertise=rollout.advertise_address,
+            key="rlmesh.rollout.advertise_address",
+            redis_url=cfg.rlmesh.redis_url,
+        )
         self.engine_lost = ""  # why the engine is gone; then this replica ends
         self._run_version = 0
         self._run_version_read_at = float("-inf")
@@ -203,8 +215,8 @@ class RolloutReplica:
         s = self.cfg.rlmesh.sampler
         return trajectory_pb2.ReplicaRegistration(
             replica_id=self.replica_id,
-            grpc_address=self.cfg.rlmesh.rollout.advertise_address or self.grpc_address,
-            engine_url=s.engine_advertise_url or self.engine.url,
+            grpc_address=self.grpc_address,
+            engine_url=s.engine_advertise_url or self.engine_url(),
             engine=self.engine.kind,
             policy_version=self.sampler.policy_version,
             capacity=self.sampler.settings.tasks_in_flight,
@@ -212,7 +224,16 @@ class RolloutReplica:
             state=self.servicer.current_state(),
         )
 
+    def engine_url(self) -> str:
+        """The engine's URL for the learner: on the advertised host when this replica started it;
+        an engine it attached to keeps the URL it was given."""
+        if self.engine.process is None:
+            return self.engine.url
+        port = urlsplit(self.engine.url).port
+        return f"http://{bracket(self.advertise_host)}:{port}"
+
     async def start(self, grpc_address: str) -> None:
+        """``grpc_address``: what peers dial for its Rollout service (the service's advertised address)."""
         self.grpc_address = grpc_address
         await self.registry.register(self.registration())  # registered before "serving" is announced
         self._background.append(asyncio.create_task(self._heartbeat()))

@@ -4,6 +4,10 @@ trainer and an SGLang server meet in it. docs/design.md#buckets-groups-and-names
 from __future__ import annotations
 
 import inspect
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -15,26 +19,65 @@ _OPTIONS_KW = (
     else "pg_options"
 )
 
+# gloo reads its interface from this variable when a group is made: an operator's setting wins.
+_GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+_pinned = threading.Condition()
+_pins: dict[str, int] = {}  # interface -> groups being made on it now
+
+
+@contextmanager
+def _gloo_interface(name: str | None) -> Iterator[None]:
+    # Groups made at once in one process share the variable: they wait for one another only
+    # when they want different interfaces.
+    with _pinned:
+        if os.environ.get(_GLOO_IFNAME) and not _pins:
+            name = None  # set by the operator, not by us
+        if name:
+            _pinned.wait_for(lambda: not _pins or name in _pins)
+            _pins[name] = _pins.get(name, 0) + 1
+            os.environ[_GLOO_IFNAME] = name
+    try:
+        yield
+    finally:
+        if name:
+            with _pinned:
+                _pins[name] -= 1
+                if not _pins[name]:
+                    del _pins[name]
+                    os.environ.pop(_GLOO_IFNAME, None)
+                    _pinned.notify_all()
+
 
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float,
+    *,
+    gloo_interface: str | None = None,
 ) -> dist.ProcessGroup:
     """Joins (rank > 0) or hosts (rank 0) the group; blocks until all ``world_size`` ranks arrive
-    or ``timeout_s`` passes. Every later collective on the group has the same deadline."""
+    or ``timeout_s`` passes. Every later collective on the group has the same deadline.
+
+    ``gloo_interface``: the network interface this rank's gloo transport listens on and tells its
+    peers (None: gloo's default, the address the hostname resolves to, often loopback)."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        **{_OPTIONS_KW: None},
-    )
+    with _gloo_interface(gloo_interface if c10d.Backend(backend) == "gloo" else None):
+        pg, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=timeout,
+            **{_OPTIONS_KW: None},
+        )
     # Collectives look the group's ranks up here; SGLang registers its group the same way.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
