@@ -220,3 +220,20 @@ def test_ray_down_stops_a_running_job_and_everything_it_started(cluster, files, 
     assert job.count(r"stopped from outside|actor died") >= 1, job.tail()
     assert not [p for p in pids if pid_alive(p)], "service processes outlived ray down"
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
+
+
+def test_sigterm_to_ray_up_stops_every_actor_and_service(cluster, files, tmp_path):
+    run_id, run_dir = f"ray-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    job = RayJob.start(up_argv(cluster, files, run_dir, run_id, 200))
+    try:
+        job.wait_for(r"^\[ray\] \d+ actors healthy", timeout_s=400)
+        pids = [status(run_id, n)["pid"] for n in ("redis", "reward", "rollout-0", "learner")]
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.finish(timeout_s=180) == 130, job.tail()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=120)
+    assert job.count(r"^\[ray\] every actor stopped \(4\)") == 1, job.tail()
+    assert not [p for p in pids if pid_alive(p)], "service processes outlived ray up"
+    wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")

@@ -49,7 +49,8 @@ class RayCluster:
             "start",
             "--block",
             "--disable-usage-stats",
-            "--node-ip-address=127.0.0.1",
+            # No --node-ip-address: Ray turns 127.0.0.1 into this machine's own address on Linux
+            # (services.resolve_ip_for_localhost), so the nodes talk over that local address.
             f"--dashboard-agent-listen-port={_free_port()}",
             "--object-store-memory=100000000",
             *args,
@@ -75,18 +76,22 @@ class RayCluster:
         return node
 
     def pids(self) -> list[int]:
-        """Every live process whose command line names this cluster's directory: the nodes' Ray
-        processes, its workers, and what the actors started under it."""
+        """Every live process of the nodes: in the session of a node's ``ray start`` (Ray's agents
+        rename themselves, ``ray::DashboardAgent``), or with this cluster's directory in its
+        command line (workers)."""
         found = []
         needle = str(self.root).encode()
+        sessions = {node.proc.pid for node in self.nodes}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
-                if needle in (entry / "cmdline").read_bytes() and pid_alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
+                session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+                ours = session in sessions or needle in (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
                 continue
+            if ours and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
         return found
 
     def stop(self) -> list[int]:

@@ -4,6 +4,8 @@ stopping them (learner first, Redis last), from ``ray up`` and from ``ray down``
 from __future__ import annotations
 
 import contextlib
+import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,18 @@ class Actor:
     handle: Any  # ray.actor.ActorHandle
     status: dict[str, Any] = field(default_factory=dict)  # the last status() it answered
     deaths: int = 0
+
+
+def connect(address: str) -> None:
+    """Joins the cluster as a driver. Ray's core worker installs its own SIGTERM handler (it logs
+    and aborts); the command's own, which unwinds like Ctrl-C so every actor is stopped, goes back."""
+    import ray
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def create(plan: ActorPlan, run_id: str, spec: ShellSpec) -> Actor:

@@ -3,10 +3,8 @@ services first, from any machine of the cluster."""
 
 from __future__ import annotations
 
-import logging
-
 from rlmesh.job.train import say_with
-from rlmesh.ray.actors import stop_actors
+from rlmesh.ray.actors import connect, stop_actors
 from rlmesh.ray.plan import NAMESPACE
 
 
@@ -14,7 +12,7 @@ def run_down(address: str, run_id: str | None, grace_s: float) -> int:
     import ray
 
     say = say_with("ray down")
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+    connect(address)
     try:
         names = sorted(
             a["name"]

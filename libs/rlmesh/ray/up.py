@@ -3,7 +3,6 @@ resources; it follows the learner to the end and stops every actor on the way ou
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -14,8 +13,8 @@ from pathlib import Path
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.job.train import progress_line, say_with
-from rlmesh.ray.actors import Actor, Say, create, describe, stop_actors, wait_started
-from rlmesh.ray.plan import NAMESPACE, ActorPlan, PlanError, plan_actors, unplaceable
+from rlmesh.ray.actors import Actor, Say, connect, create, describe, stop_actors, wait_started
+from rlmesh.ray.plan import ActorPlan, PlanError, plan_actors, unplaceable
 from rlmesh.ray.shell import ShellSpec
 
 
@@ -168,7 +167,7 @@ def run_up(opts: UpOptions) -> int:
 
     t0 = time.monotonic()
     say(f"connecting to Ray at {opts.address}")
-    ray.init(address=opts.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+    connect(opts.address)
     actors: list[Actor] = []
     try:
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
