@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,19 +36,7 @@ NAMESPACE = "rlmesh"
 class RayJob(Job):
     """``rlmesh ray ...`` as a subprocess, its output read as it comes."""
 
-    @classmethod
-    def start(cls, argv: list[str]) -> RayJob:  # type: ignore[override]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlmesh.cli", "ray", *argv],
-            cwd=REPO,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        job = cls(proc)
-        threading.Thread(target=job._read, daemon=True).start()
-        return job
+    command = "ray"
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
@@ -86,11 +87,12 @@ class Job:
     proc: subprocess.Popen[str]
     lines: list[str] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    command: ClassVar[str] = "train"  # the `rlmesh` subcommand a subclass runs instead
 
     @classmethod
     def start(cls, argv: list[str]) -> Job:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlmesh.cli", "train", *argv],
+            [sys.executable, "-m", "rlmesh.cli", cls.command, *argv],
             cwd=REPO,
             env=child_env(),
             stdout=subprocess.PIPE,
