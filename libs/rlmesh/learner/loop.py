@@ -269,10 +269,12 @@ class TrainingLoop:
         ]
         self.state.live_replicas = len(live)
         timeout = self.cfg.rlmesh.weight_sync.timeout_s
+        token = self.cfg.rlmesh.auth_token or ""
         known = {link.client.url: link.client for link in self.pusher.links}
         clients = [
             known.get(r.engine_url.rstrip("/"))
-            or EngineClient(r.engine_url, name=r.replica_id, timeout_s=timeout)
+            # The config's token, not only the one the service exported: a loop built as a library.
+            or EngineClient(r.engine_url, name=r.replica_id, timeout_s=timeout, token=token)
             for r in live
         ]
         # An SGLang engine's TP workers each join its weight group (an older registry entry: 0).
