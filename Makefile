@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test ray-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server demo demo-seeds test ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -55,13 +55,22 @@ demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray" --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose" --durations=25
 
 # rlmesh ray up on a real two-node local Ray cluster (the `cluster` extra; about 9 minutes; not part
 # of `make test`): placement by custom resources, a replica actor killed and restarted, ray down, SIGTERM.
 ray-test: venv redis-server
 	$(BIN)/python -m pip install -q -c constraints.txt 'ray[default]>=2.30'
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m ray tests/e2e/test_ray.py
+
+# docker-compose.yml for real (about 15 minutes; the first image build more): builds the images
+# (a Debian base made with debootstrap when no registry is reachable), runs --scale rollout=3,
+# adds a fourth replica and stops a first one mid-run, and checks the run (docs/deploy.md).
+compose-test: venv redis-server
+	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null || { \
+		echo "docker.io, docker-compose or debootstrap is missing: installing them with apt"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker.io docker-compose debootstrap; }
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m compose tests/e2e/test_compose.py
 
 # The chaos suite (whole jobs through kill -9 of every process and a network partition, about 10
 # minutes; not part of `make test`), printing how long each recovery took.

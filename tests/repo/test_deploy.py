@@ -1,5 +1,5 @@
-"""The compose file's commands are real rlmesh commands with valid configurations (no Docker
-engine runs here, so this is the check that can run)."""
+"""The compose file's commands are real rlmesh commands with valid configurations, and what it
+mounts and builds exists (`make compose-test`, tests/e2e/test_compose.py, runs the stack for real)."""
 
 import re
 
@@ -7,7 +7,11 @@ import yaml
 
 from rlmesh.cli import service_entry_points
 from rlmesh.config import load_config
+from rlmesh.job.demo import build_parser as demo_parser
 from tests.support.repo import REPO
+
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVED = {"reward", "reference", "rollout", "learner"}
 
 
 def expand(arg: str) -> str:
@@ -15,19 +19,80 @@ def expand(arg: str) -> str:
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", arg)
 
 
-def test_every_compose_service_command_is_a_valid_rlmesh_serve():
-    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+def rlmesh_services() -> dict[str, dict]:
+    return {n: s for n, s in COMPOSE["services"].items() if s.get("image", "").startswith("rlmesh:")}
+
+
+def test_every_served_service_is_a_valid_rlmesh_serve():
     known = set(service_entry_points())
-    rlmesh_services = {
-        name: svc for name, svc in compose["services"].items() if svc.get("image") == "rlmesh:latest"
-    }
-    assert set(rlmesh_services) == {"reward", "reference", "rollout", "learner"}
-    for name, svc in rlmesh_services.items():
-        command = [expand(a) for a in svc["command"]]
+    services = rlmesh_services()
+    assert set(services) == SERVED | {"prepare", "export"}
+    for name in SERVED:
+        command = [expand(a) for a in services[name]["command"]]
         assert command[:2] == ["serve", name] and name in known
         config = command[command.index("-c") + 1]
         assert (REPO / config).exists()
-        overrides = command[command.index("-c") + 2 :]
-        cfg = load_config(REPO / config, overrides)
+        cfg = load_config(REPO / config, command[command.index("-c") + 2 :])
         assert cfg.rlmesh.run_id == "compose" and cfg.rlmesh.redis_url == "redis://redis:6379/0"
         assert getattr(cfg.rlmesh, name).host == "0.0.0.0"
+
+
+def test_the_one_shot_services_prepare_what_the_others_read():
+    services = rlmesh_services()
+    prepare = [expand(a) for a in services["prepare"]["command"]]
+    args = demo_parser().parse_args(prepare[1:])
+    assert prepare[0] == "demo" and args.prepare_only
+    # The learner's and the replicas' model and data are what `demo --prepare-only` links.
+    learner = [expand(a) for a in services["learner"]["command"]]
+    assert f"actor_rollout_ref.model.path={args.workdir}/model" in learner
+    assert f"data.train_files={args.workdir}/data/train.parquet" in learner
+    checkpoints = next(a.split("=", 1)[1] for a in learner if a.startswith("trainer.default_local_dir="))
+    export = [expand(a) for a in services["export"]["command"]]
+    assert export[export.index("--checkpoint") + 1] == checkpoints
+    assert services["export"]["depends_on"]["learner"]["condition"] == "service_completed_successfully"
+
+
+def test_built_and_mounted_files_exist():
+    for name, svc in COMPOSE["services"].items():
+        build = svc.get("build") or {}
+        if build:
+            assert (REPO / build["dockerfile"]).is_file(), name
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), f"{name} mounts {source}, which does not exist"
+    assert "redis-data:/data" in COMPOSE["services"]["redis"]["volumes"]
+    assert "appendonly" in (REPO / "deploy" / "redis.Dockerfile").read_text()
+
+
+def test_prometheus_finds_the_replicas_by_dns():
+    prom = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    rollout = [j for j in prom["scrape_configs"] if j.get("dns_sd_configs")]
+    assert {sd["names"][0] for j in rollout for sd in j["dns_sd_configs"]} == {"rollout"}
+    static = [t for j in prom["scrape_configs"] for sc in j.get("static_configs", []) for t in sc["targets"]]
+    assert {t.split(":")[0] for t in static} == {"learner", "reward", "reference"}
+
+
+def test_the_gpu_recipe_compose_override_names_valid_configs():
+    override = yaml.safe_load((REPO / "examples" / "gpu_qwen2.5-0.5b_gsm8k.compose.yml").read_text())
+    services = override["services"]
+    assert set(services) <= set(COMPOSE["services"]), "an override of services the compose file does not have"
+    for name in SERVED:
+        command = [expand(a) for a in services[name]["command"]]
+        cfg = load_config(REPO / command[command.index("-c") + 1], command[command.index("-c") + 2 :])
+        assert cfg.rlmesh.redis_url == "redis://redis:6379/0" and getattr(cfg.rlmesh, name).host == "0.0.0.0"
+        assert cfg.actor_rollout_ref.rollout.name == "sglang"
+    assert services["prepare"]["build"]["args"]["EXTRAS"] == "gpu"
+
+
+def test_the_gpu_recipe_ray_script_is_a_valid_rlmesh_ray_up():
+    import shlex
+
+    from rlmesh.ray.cli import build_parser as ray_parser
+
+    script = (REPO / "examples" / "gpu_qwen2.5-0.5b_gsm8k.ray.sh").read_text().replace("\\\n", " ")
+    line = next(ln for ln in script.splitlines() if ln.startswith("exec rlmesh ray up"))
+    argv = [a for a in shlex.split(line)[3:] if a != "$@"]
+    args = ray_parser().parse_args(argv)
+    cfg = load_config(REPO / args.config, args.overrides)
+    assert cfg.rlmesh.rollout.replicas == 4 and cfg.rlmesh.learner.ranks == 4

@@ -200,13 +200,18 @@ def planned_prompts(files: Files, run_dir: Path, steps: int) -> dict[int, list[i
 def audit(files: Files, run_dir: Path, steps: int) -> None:
     """Every planned step committed once with exactly its planned prompts, each group with all its
     samples, and no group trained on twice (a resumed run's redone steps: the last record counts)."""
-    rows = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+    audit_groups(run_dir / "trained_groups.jsonl", planned_prompts(files, run_dir, steps), N)
+
+
+def audit_groups(groups_path: Path, plan: dict[int, list[int]], n: int) -> None:
+    """``audit`` for any run: ``plan`` maps each step to its prompts' dataset indices."""
+    rows = [json.loads(line) for line in groups_path.read_text().splitlines()]
     last = {row["step"]: row for row in rows}
-    assert sorted(last) == list(range(1, steps + 1))
-    plan = planned_prompts(files, run_dir, steps)
+    assert sorted(last) == sorted(plan), f"steps trained {sorted(last)} != planned {sorted(plan)}"
     for step, row in sorted(last.items()):
         assert Counter(row["prompts"]) == Counter(plan[step]), f"step {step} trained on other prompts"
-        assert list(row["groups"].values()) == [N] * BATCH, f"step {step}: samples per group {row['groups']}"
+        samples = list(row["groups"].values())
+        assert samples == [n] * len(plan[step]), f"step {step}: samples per group {row['groups']}"
     groups = [g for row in last.values() for g in row["groups"]]
     assert len(set(groups)) == len(groups), "a group was trained on in two steps"
 

@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls ``condition`` until true; fails the test naming ``what`` after ``timeout_s``."""
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.02) -> None:
+    """Polls ``condition`` every ``every_s`` until true; fails the test naming ``what`` after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(every_s)
 
 
 async def eventually(read: Callable, expected: object, what: str, timeout_s: float = 30) -> None:

@@ -225,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     prepared = prepare_from_args(args)
+    if args.prepare_only:
+        # docker-compose.yml's prepare service: the model and data on the shared volume, no run.
+        say(f"prepared: model {prepared.sft_model}, data {prepared.train.parent}")
+        return 0
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = Path(args.workdir) / run_id
     overrides = run_overrides(args, prepared, run_dir, run_id)
@@ -274,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sft-max-epochs", type=int, default=80, help="the warm-up fails if not in the band by then"
     )
     p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="build the model and data (and warm up) under --workdir, then exit: no run",
+    )
     p.add_argument("overrides", nargs="*", help="config overrides for every service")
     return p
 
