@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_forever
+from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
@@ -70,6 +71,47 @@ def parse_version(value: Any) -> int:
         return 0  # "default": the weights the engine started with
 
 
+OUTCOMES = ("done", "failed", "interrupted")
+DEPENDENCIES = ("engine", "reward", "reference", "trajectory_stream")
+QUEUE_GAUGES_EVERY_S = 5.0  # how often the run's queue depths are read from Redis
+
+
+def engine_gpus(server_info: dict[str, Any]) -> int:
+    """Accelerators an engine computes on, from its /server_info: SGLang's tp x dp x pp unless its
+    device is the CPU; the embedded engine runs on the CPU: 0."""
+    if server_info.get("engine") == "embedded" or server_info.get("device") == "cpu":
+        return 0
+    sizes = (int(server_info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
+    return math.prod(sizes)
+
+
+class BusyClock:
+    """Wall time during which at least one of possibly overlapping spans was open, added to a
+    counter as it passes (at each span's start and end): its rate is the busy fraction, and
+    tokens over it the throughput while busy, idle time between waves left out."""
+
+    def __init__(self, counter: Counter, clock: Callable[[], float] = time.monotonic) -> None:
+        self.counter = counter
+        self.clock = clock
+        self.open = 0
+        self._last = clock()
+
+    def _tick(self) -> None:
+        now = self.clock()
+        if self.open:
+            self.counter.inc(now - self._last)
+        self._last = now
+
+    def __enter__(self) -> BusyClock:
+        self._tick()
+        self.open += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tick()
+        self.open -= 1
+
+
 class SamplerMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.tasks = Counter("rlmesh_rollout_tasks", "Prompt tasks finished", ["outcome"], registry=registry)
@@ -96,6 +138,33 @@ class SamplerMetrics:
             ["dependency"],
             registry=registry,
         )
+        self.generating = Counter(
+            "rlmesh_rollout_generating_seconds",
+            "Wall time with at least one engine generate call of this replica in flight",
+            registry=registry,
+        )
+        self.engine_gpus = Gauge(
+            "rlmesh_rollout_engine_gpus",
+            "GPUs (accelerators) the replica's engine computes on; 0: the CPU",
+            registry=registry,
+        )
+        self.policy_version = Gauge(
+            "rlmesh_rollout_policy_version",
+            "The weight version the replica's engine holds",
+            registry=registry,
+        )
+        self.paused = Gauge(
+            "rlmesh_rollout_paused",
+            "1 while the replica claims no work (paused or draining)",
+            registry=registry,
+        )
+        # Every labelled series exists from the start at 0, so increase() sees the first event.
+        for outcome in OUTCOMES:
+            self.tasks.labels(outcome)
+        for dependency in DEPENDENCIES:
+            self.retries.labels(dependency)
+        for dependency in DEPENDENCIES[:3]:
+            self.breaker_open.labels(dependency)
 
 
 @dataclass
@@ -140,7 +209,22 @@ class SamplerLoop:
         # SGLang runs with --skip-tokenizer-init and returns no text: rule-based rewards need it.
         self.decode = decode
         self.metrics = SamplerMetrics(registry)
+        self.observed = registry is not None
+        self.generating = BusyClock(self.metrics.generating)
         self.policy_version = 0
+        self.metrics.policy_version.set_function(lambda: self.policy_version)
+        self.metrics.paused.set_function(lambda: int(self.paused))
+        keys = keys_of_stream(prompts.stream) if registry is not None else None
+        self.queue_gauges = (
+            RunQueueGauges(
+                prompts.redis,
+                keys,
+                [WatchedStream(q.stream, q.group) for q in (prompts, trajectories)],
+                registry,
+            )
+            if keys is not None
+            else None
+        )
         self.tasks_done = 0
         self.tokens_generated = 0
         self._started = time.monotonic()
@@ -211,7 +295,9 @@ class SamplerLoop:
     # ----- the loop -----
     async def run(self) -> None:
         await retry_forever(self.prompts.ensure_group, "create prompt group")
-        toucher = asyncio.create_task(self._touch_forever())
+        helpers = [asyncio.create_task(self._touch_forever())]
+        if self.observed:  # the gauges are on a registry someone scrapes
+            helpers.append(asyncio.create_task(self._observe_forever()))
         try:
             while not self._stop.is_set():
                 await self._claiming.wait()
@@ -227,7 +313,8 @@ class SamplerLoop:
                     log.warning("claim failed, Redis unavailable: %s", e)
                     await asyncio.sleep(0.5)
         finally:
-            toucher.cancel()
+            for helper in helpers:
+                helper.cancel()
 
     async def _claim(self, room: int) -> None:
         # Parked again only once what the claim returned is in flight: pause() then reports it.
@@ -266,6 +353,23 @@ class SamplerLoop:
             await asyncio.sleep(self.settings.touch_interval_s)
             with contextlib.suppress(*TRANSIENT_ERRORS):
                 await self.prompts.touch(list(self._in_flight))
+
+    async def _observe_forever(self) -> None:
+        """Keeps the gauges read from outside: the engine's GPUs (once) and the run's queues."""
+        gpus_known = False
+        while True:
+            if not gpus_known:
+                try:
+                    self.metrics.engine_gpus.set(engine_gpus(await self.engine.server_info()))
+                    gpus_known = True
+                except Exception as e:  # the engine is starting or busy: ask again next round
+                    log.debug("engine server info unavailable: %s", e)
+            if self.queue_gauges is not None:
+                try:
+                    await self.queue_gauges.refresh()
+                except Exception as e:  # gauges only: never a reason to stop sampling
+                    log.debug("queue gauges not refreshed: %s", e)
+            await asyncio.sleep(QUEUE_GAUGES_EVERY_S)
 
     async def _handle_wave(self, deliveries: list[Delivery[trajectory_pb2.PromptTask]]) -> None:
         """One claim's tasks as one wave: one engine call per sampling setting (continuous batching
@@ -365,7 +469,10 @@ class SamplerLoop:
         if not groups:
             return []
         version_before = await self._engine_version()
-        generated = await asyncio.gather(*(self._generate_group(group, pending) for group in groups.values()))
+        with self.generating:
+            generated = await asyncio.gather(
+                *(self._generate_group(group, pending) for group in groups.values())
+            )
         t_gen = time.monotonic()
         self.metrics.stage.labels("generate").observe(t_gen - t0)
         sampled = [
