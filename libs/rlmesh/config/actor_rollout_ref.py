@@ -46,7 +46,13 @@ class ModelConfig(Section):
     target_modules: str | list[str] = Field(
         "all-linear", description="LoRA target modules: 'all-linear' or a list of module names"
     )
-    use_remove_padding: Any = compat(True)
+    use_remove_padding: bool = Field(
+        True,
+        description="run the actor's, the old log-probs' and the reference's forwards padding-free: "
+        "each micro-batch's sequences back to back in rows no longer than its longest, per-sequence "
+        "position ids, attention never crossing a sequence (verl's remove-padding; needs a "
+        "llama/qwen2/qwen3 model on sdpa attention)",
+    )
     hf_config_path: Any = compat(None)
     use_shm: Any = compat(False)
     custom_chat_template: Any = compat(None)
@@ -89,6 +95,11 @@ class ActorConfig(Section):
     )
     ppo_max_token_len_per_gpu: int = Field(
         16384, gt=0, description="token budget of one packed micro-batch when use_dynamic_bsz"
+    )
+    use_remove_padding: bool | None = Field(
+        None,
+        description="padding-free micro-batches for the actor's training and old log-probs; "
+        "null = actor_rollout_ref.model.use_remove_padding",
     )
     clip_ratio: float = Field(0.2, ge=0, description="PPO clip range epsilon")
     clip_ratio_low: float | None = Field(
@@ -133,7 +144,6 @@ class ActorConfig(Section):
     ulysses_sequence_parallel_size: Any = compat(1)
     entropy_from_logits_with_chunking: Any = compat(False)
     entropy_checkpointing: Any = compat(False)
-    use_remove_padding: Any = compat(True)
     calculate_sum_pi_squared: Any = compat(False)
     sum_pi_squared_checkpointing: Any = compat(False)
     megatron: Any = compat(None)

@@ -86,6 +86,26 @@ def _token_budget_problems(cfg: RLMeshConfig) -> list[str]:
     ]
 
 
+def sequence_packing_problems(cfg: RLMeshConfig) -> list[str]:
+    """``data.use_sequence_packing`` packs every forward; a role's packing key set to false beside
+    it contradicts it. Checked before the derived values are filled in, which would hide it."""
+    if not cfg.data.use_sequence_packing:
+        return []
+    arr = cfg.actor_rollout_ref
+    keys = [
+        key
+        for key, value in (
+            ("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding),
+            (f"{ACTOR}.use_remove_padding", arr.actor.use_remove_padding),
+        )
+        if value is False
+    ]
+    return [
+        f"data.use_sequence_packing=true packs every forward, but {key}=false turns it off: drop one of them"
+        for key in keys
+    ]
+
+
 def _engine_problems(name: str, fsdp_key: str, eff: EngineSettings) -> list[str]:
     problems = []
     if eff.offload_param and eff.zero_stage != 3:

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from rlmesh.config.actor_rollout_ref import ActorRolloutRefConfig
 from rlmesh.config.base import CrossFieldProblems, Section, compat
-from rlmesh.config.checks import cross_field_problems, cross_field_warnings
+from rlmesh.config.checks import cross_field_problems, cross_field_warnings, sequence_packing_problems
 from rlmesh.config.rlmesh_section import RlmeshSection
 from rlmesh.config.sections import (
     AlgorithmConfig,
@@ -54,8 +54,9 @@ class RLMeshConfig(Section):
 
     @model_validator(mode="after")
     def _resolve_and_check(self) -> RLMeshConfig:
+        early = sequence_packing_problems(self)  # before the derived values hide what was set
         self._resolve_derived()
-        problems = cross_field_problems(self)
+        problems = early + cross_field_problems(self)
         if problems:
             raise CrossFieldProblems(problems)
         return self
@@ -77,6 +78,10 @@ class RLMeshConfig(Section):
             section.log_prob_max_token_len_per_gpu = _default(
                 section.log_prob_max_token_len_per_gpu, actor.ppo_max_token_len_per_gpu
             )
+        if data.use_sequence_packing:  # every forward; sequence_packing_problems refuses a false beside it
+            model.use_remove_padding = True
+            self.critic.model.use_remove_padding = True
+        actor.use_remove_padding = _default(actor.use_remove_padding, model.use_remove_padding)
         actor.clip_ratio_low = _default(actor.clip_ratio_low, actor.clip_ratio)
         actor.clip_ratio_high = _default(actor.clip_ratio_high, actor.clip_ratio)
 

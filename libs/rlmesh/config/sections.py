@@ -56,6 +56,13 @@ class DataConfig(Section):
     apply_chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for tokenizer.apply_chat_template"
     )
+    use_sequence_packing: bool = Field(
+        False,
+        description="run every forward (actor, critic, reference, old log-probs) padding-free: turns on "
+        "actor_rollout_ref.model.use_remove_padding and critic.model.use_remove_padding; refused "
+        "together with actor_rollout_ref.model.use_remove_padding=false or "
+        "actor_rollout_ref.actor.use_remove_padding=false",
+    )
     use_shm: Any = compat(False)
     tool_config_path: Any = compat(None)
     return_raw_input_ids: Any = compat(False)
@@ -94,10 +101,13 @@ class CriticModelConfig(Section):
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha")
     target_modules: str | list[str] = Field("all-linear", description="LoRA target modules")
     fsdp_config: FsdpConfig = Field(default_factory=FsdpConfig, description="verl FSDP keys (offload, dtype)")
+    use_remove_padding: bool = Field(
+        False,
+        description="run the critic's forwards padding-free (as actor_rollout_ref.model.use_remove_padding)",
+    )
     external_lib: Any = compat(None)
     use_shm: Any = compat(False)
     enable_activation_offload: Any = compat(False)
-    use_remove_padding: Any = compat(False)
     tiled_mlp: Any = compat({"enabled": False, "num_shards": 4})
 
 
