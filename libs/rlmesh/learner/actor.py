@@ -12,7 +12,7 @@ from rlmesh.algo import agg_loss, compute_policy_loss, kl_penalty
 from rlmesh.config import ActorConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, actor_forward, rows_of
+from rlmesh.learner.forward import MicroBatch, actor_forward, require_packable, rows_of
 from rlmesh.learner.parallel import (
     MetricSums,
     forward_without_grad,
@@ -39,6 +39,9 @@ class DeepSpeedPPOActor:
     device: where micro-batches go.
     share_prompts: run a prompt once for all its samples in a micro-batch where that costs less
         (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
+
+    Its micro-batches (training and old log-probs) run padding-free when ``config.use_remove_padding``
+    (``rlmesh.learner.packing``; ValueError at once when the model cannot).
     """
 
     def __init__(
@@ -66,6 +69,10 @@ class DeepSpeedPPOActor:
         self.kl_loss_coef = float(config.kl_loss_coef)
         self.skipped_steps = 0
         self.share_prompts = share_prompts
+        # Resolved from actor_rollout_ref.model.use_remove_padding and data.use_sequence_packing.
+        self.pack = bool(config.use_remove_padding)
+        if self.pack:
+            require_packable(engine, "actor_rollout_ref.model.use_remove_padding")
 
     def compute_log_prob(
         self,
@@ -79,7 +86,12 @@ class DeepSpeedPPOActor:
 
         def fn(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
             log_probs, entropy = actor_forward(
-                self.engine, mb, self.temperature, calculate_entropy=True, share_prompts=self.share_prompts
+                self.engine,
+                mb,
+                self.temperature,
+                calculate_entropy=True,
+                share_prompts=self.share_prompts,
+                pack=self.pack,
             )
             assert entropy is not None
             return log_probs, entropy
@@ -127,7 +139,9 @@ class DeepSpeedPPOActor:
         nonfinite = False
 
         def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return actor_forward(self.engine, mb, self.temperature, calculate_entropy, self.share_prompts)
+            return actor_forward(
+                self.engine, mb, self.temperature, calculate_entropy, self.share_prompts, self.pack
+            )
 
         for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width

@@ -41,6 +41,7 @@ class ColocatedReference:
     micro-batches of ``ref.log_prob_micro_batch_size_per_gpu``, or packed by
     ``ref.log_prob_max_token_len_per_gpu`` with ``ref.log_prob_use_dynamic_bsz``) and sums the
     shares over the ranks, so every rank ends with the whole batch's reference log-probs.
+    Padding-free when ``actor_rollout_ref.model.use_remove_padding`` (``ReferenceModel.pack``).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class ColocatedReference:
         for rows in plan:
             if rows:  # an empty one pads a short share; a plain module needs no dummy forward
                 log_probs, _ = actor_forward(
-                    ref.model, slice_micro_batch(batch, rows, ref.device), ref.temperature
+                    ref.model, slice_micro_batch(batch, rows, ref.device), ref.temperature, pack=ref.pack
                 )
                 out[rows] = pad_to_width(log_probs.float().cpu(), batch.response_length)
         return all_reduce_sum(out * batch.response_mask)

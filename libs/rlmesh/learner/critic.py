@@ -11,7 +11,7 @@ from rlmesh.algo import compute_value_loss, masked_mean
 from rlmesh.config import CriticConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of
+from rlmesh.learner.forward import MicroBatch, critic_forward, require_packable, rows_of
 from rlmesh.learner.parallel import (
     MetricSums,
     forward_without_grad,
@@ -29,7 +29,8 @@ __all__ = ["DeepSpeedPPOCritic"]
 class DeepSpeedPPOCritic:
     """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
     the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device, and
-    ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s)."""
+    ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s). Its micro-batches
+    run padding-free when ``config.model.use_remove_padding`` (``rlmesh.learner.packing``)."""
 
     def __init__(
         self,
@@ -52,6 +53,10 @@ class DeepSpeedPPOCritic:
         self.device = device
         self.skipped_steps = 0
         self.share_prompts = share_prompts
+        # critic.model.use_remove_padding, set by data.use_sequence_packing too.
+        self.pack = bool(config.model.use_remove_padding)
+        if self.pack:
+            require_packable(engine, "critic.model.use_remove_padding")
 
     def compute_values(self, batch: PPOBatch) -> torch.Tensor:
         """Values ``(bs, R)``, zero past each response (as verl), no grad; micro-batches of
@@ -59,7 +64,7 @@ class DeepSpeedPPOCritic:
         cfg = self.config
 
         def fn(mb: MicroBatch) -> tuple[torch.Tensor]:
-            return (critic_forward(self.engine, mb, self.share_prompts),)
+            return (critic_forward(self.engine, mb, self.share_prompts, self.pack),)
 
         plan = micro_batch_plan(
             batch,
@@ -86,7 +91,7 @@ class DeepSpeedPPOCritic:
         nonfinite = False
 
         def forward(mb: MicroBatch) -> tuple[torch.Tensor]:
-            return (critic_forward(self.engine, mb, self.share_prompts),)
+            return (critic_forward(self.engine, mb, self.share_prompts, self.pack),)
 
         for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width

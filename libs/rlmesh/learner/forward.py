@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from rlmesh.algo import entropy_from_logits, logprobs_from_logits
+from rlmesh.algo.packing import PACKABLE_MODEL_TYPES, attention_mask_problem
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.models import hf_model
+from rlmesh.learner.packing import PackedLayout, packed_layout
 
 __all__ = [
     "SHARED_PROMPT_MODEL_TYPES",
@@ -20,16 +22,17 @@ __all__ = [
     "actor_forward",
     "critic_forward",
     "greedy_generate",
+    "packing_problem",
     "pad_to_width",
+    "require_packable",
     "rows_of",
     "shared_prompt_layout",
     "slice_micro_batch",
     "token_cost_in_pairs",
 ]
 
-# Decoders whose attention takes a custom 4D mask as is and whose layers are otherwise per token
-# (RoPE from position_ids, no sliding window unless configured, which token_cost_in_pairs refuses).
-SHARED_PROMPT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+# The decoders that take a custom 4D mask (shared prompts, packing): rlmesh.algo.packing.
+SHARED_PROMPT_MODEL_TYPES = PACKABLE_MODEL_TYPES
 
 
 @dataclass
@@ -97,26 +100,27 @@ class SharedPromptLayout:
         return int(self.input_ids.shape[1]) - self.prompt_width + 1
 
 
-def token_cost_in_pairs(module: torch.nn.Module) -> float | None:
-    """FLOPs of one token through a layer's projections and MLP over those of one attended
-    query-key pair, from the model's config; None when the model cannot share prompts (not a
-    plain causal decoder of :data:`SHARED_PROMPT_MODEL_TYPES` on ``sdpa`` attention, or a sliding
-    window).
+def packing_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot take a packed layout's custom 4D mask, or None when it can
+    (:func:`rlmesh.algo.packing.attention_mask_problem` of its config).
 
     ``module`` is a DeepSpeed engine, a peft model or a transformers model.
     """
     inner = module.module if isinstance(getattr(module, "module", None), torch.nn.Module) else module
-    cfg = getattr(hf_model(inner), "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in SHARED_PROMPT_MODEL_TYPES:
+    return attention_mask_problem(getattr(hf_model(inner), "config", None))
+
+
+def token_cost_in_pairs(module: torch.nn.Module) -> float | None:
+    """FLOPs of one token through a layer's projections and MLP over those of one attended
+    query-key pair, from the model's config; None when the model cannot share prompts or pack
+    (:func:`packing_problem`).
+
+    ``module`` is a DeepSpeed engine, a peft model or a transformers model.
+    """
+    if packing_problem(module) is not None:
         return None
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or not getattr(cfg, "is_causal", True):
-        return None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        if any(t != "full_attention" for t in layer_types):
-            return None
-    elif getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return None
+    inner = module.module if isinstance(getattr(module, "module", None), torch.nn.Module) else module
+    cfg = hf_model(inner).config
     try:
         h, heads, inter = int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.intermediate_size)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -199,48 +203,81 @@ def pad_to_width(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
 
 
+def require_packable(module: torch.nn.Module, key: str) -> None:
+    """Raise ValueError naming ``key`` (the config key that asked for packing) when ``module``
+    cannot run packed (:func:`packing_problem`); checked when a role is built, before any step."""
+    problem = packing_problem(module)
+    if problem is not None:
+        raise ValueError(
+            f"{key}=true (padding-free sequence packing; data.use_sequence_packing=true sets it too) "
+            f"cannot run on this model: {problem}. Set {key}=false (and data.use_sequence_packing=false)"
+        )
+
+
+def _packed(module: torch.nn.Module, mb: MicroBatch, share_prompts: bool) -> PackedLayout:
+    problem = packing_problem(module)
+    if problem is not None:
+        raise ValueError(f"sequence packing cannot run on this model: {problem}")
+    return packed_layout(mb, token_cost_in_pairs(module), share_prompts)
+
+
 def actor_forward(
     module: torch.nn.Module,
     mb: MicroBatch,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     share_prompts: bool = True,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens under ``softmax(logits / temperature)``.
 
     .. math:: \\log\\pi(y_j) = \\mathrm{log\\_softmax}(z_{P+j-1} / \\tau)_{y_j}, \\qquad
               H_j = H(\\mathrm{softmax}(z_{P+j-1} / \\tau))
 
-    With ``share_prompts``, samples of one prompt run it once (:func:`shared_prompt_layout`) when
-    the model allows and that costs less; the outputs are the same up to float rounding.
+    With ``pack``, the micro-batch runs padding-free (:func:`rlmesh.learner.packing.packed_layout`;
+    ValueError when the model cannot, :func:`packing_problem`). Else, with ``share_prompts``,
+    samples of one prompt run it once (:func:`shared_prompt_layout`) when the model allows and that
+    costs less. The outputs are the padded layout's up to float rounding either way.
 
     Returns:
         log_probs: ``(n, w)`` fp32 (``w`` = the micro-batch's response width).
         entropy: ``(n, w)`` fp32, or None unless ``calculate_entropy``.
     """
     w = mb.response_width
-    layout = shared_prompt_layout(mb, token_cost_in_pairs(module)) if share_prompts else None
-    if layout is None:
-        # logits_to_keep: the LM head runs on the w + 1 last positions only, not the prompt.
+    if pack:
+        packed = _packed(module, mb, share_prompts)
+        keep = packed.kept_columns()
         out = module(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
             use_cache=False,
-            logits_to_keep=w + 1,
+            logits_to_keep=keep,
         )
-        # fp32 so bf16 logits do not round the log-probs (the PPO ratio is exp of their difference).
-        logits = out.logits[:, -w - 1 : -1, :].float()
+        logits = out.logits[packed.row[:, None], torch.searchsorted(keep, packed.before)].float()
     else:
-        out = module(
-            input_ids=layout.input_ids,
-            attention_mask=layout.attention_mask,
-            position_ids=layout.position_ids,
-            use_cache=False,
-            logits_to_keep=layout.kept_columns,
-        )
-        first = layout.prompt_width - 1  # the first kept column
-        logits = out.logits[layout.group[:, None], layout.before - first].float()
+        layout = shared_prompt_layout(mb, token_cost_in_pairs(module)) if share_prompts else None
+        if layout is None:
+            # logits_to_keep: the LM head runs on the w + 1 last positions only, not the prompt.
+            out = module(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                use_cache=False,
+                logits_to_keep=w + 1,
+            )
+            # fp32 so bf16 logits do not round the log-probs (the PPO ratio is exp of their difference).
+            logits = out.logits[:, -w - 1 : -1, :].float()
+        else:
+            out = module(
+                input_ids=layout.input_ids,
+                attention_mask=layout.attention_mask,
+                position_ids=layout.position_ids,
+                use_cache=False,
+                logits_to_keep=layout.kept_columns,
+            )
+            first = layout.prompt_width - 1  # the first kept column
+            logits = out.logits[layout.group[:, None], layout.before - first].float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = logprobs_from_logits(logits, mb.responses)
@@ -248,13 +285,24 @@ def actor_forward(
     return log_probs, entropy
 
 
-def critic_forward(module: torch.nn.Module, mb: MicroBatch, share_prompts: bool = True) -> torch.Tensor:
+def critic_forward(
+    module: torch.nn.Module, mb: MicroBatch, share_prompts: bool = True, pack: bool = False
+) -> torch.Tensor:
     """Values ``V(s_{P+j-1})`` of the states before each response token, ``(n, w)`` fp32.
 
     The critic is a token-classification model with one label (verl's value model): its
-    per-position score is the value. ``share_prompts``: as in :func:`actor_forward`.
+    per-position score is the value. ``share_prompts``, ``pack``: as in :func:`actor_forward`.
     """
     w = mb.response_width
+    if pack:
+        packed = _packed(module, mb, share_prompts)
+        out = module(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            use_cache=False,
+        )
+        return out.logits[:, :, 0][packed.row[:, None], packed.before].float()
     layout = shared_prompt_layout(mb, token_cost_in_pairs(module)) if share_prompts else None
     if layout is None:
         out = module(
