@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlmesh.algo import logprobs_from_logits
+from rlmesh.algo.packing import attention_mask_problem, pack_units
 from rlmesh.reference.batching import plan_micro_batches
 from rlmesh.runtime.busy import BusyTracker
 
@@ -37,13 +38,17 @@ def compute_ref_log_probs(
     max_samples_per_batch: int | None = None,
     pad_token_id: int = 0,
     temperature: float = 1.0,
+    pack: bool = False,
     should_stop: Callable[[], bool] | None = None,
     on_micro_batch: Callable[[int, int], None] | None = None,
 ) -> list[list[float]]:
     """Per-token log-probs of each response given its prompt, one list per sample, in order.
 
-    Every prompt needs at least one token. ``on_micro_batch(rows, padded_tokens)`` is told about each
-    forward; ``should_stop`` is asked before each and raises ``Cancelled`` when it says so.
+    Every prompt needs at least one token. With ``pack``, a micro-batch holds up to
+    ``max_tokens_per_batch`` real tokens and runs padding-free (:func:`_packed_forward`; the model
+    must take a 4D mask, :func:`rlmesh.algo.packing.attention_mask_problem`); else right-padded.
+    ``on_micro_batch(rows, tokens)`` is told about each forward (the tokens it runs, padding
+    included); ``should_stop`` is asked before each and raises ``Cancelled`` when it says so.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -52,38 +57,114 @@ def compute_ref_log_probs(
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     out: list[list[float]] = [[] for _ in prompts]
-    for batch in plan_micro_batches(lengths, max_tokens_per_batch, max_samples_per_batch):
+    for batch in plan_micro_batches(lengths, max_tokens_per_batch, max_samples_per_batch, packed=pack):
         if should_stop is not None and should_stop():
             raise Cancelled("stopped between micro-batches")
-        width = max(lengths[i] for i in batch)
-        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):
-            ids = [*prompts[i], *responses[i]]
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-        if on_micro_batch is not None:
-            on_micro_batch(len(batch), len(batch) * width)
-        logits = model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
-        ).logits
-        # Only the positions that predict response tokens: row r, positions P-1 .. P+R-2.
-        picked, labels, sizes = [], [], []
-        for row, i in enumerate(batch):
-            p, r = len(prompts[i]), len(responses[i])
-            sizes.append(r)
-            if r:
-                picked.append(logits[row, p - 1 : p + r - 1])
-                labels.append(input_ids[row, p : p + r])
-        if not picked:
+        sizes = [len(responses[i]) for i in batch]
+        if pack:
+            rows, labels = _packed_forward(
+                model,
+                [prompts[i] for i in batch],
+                [responses[i] for i in batch],
+                pad_token_id,
+                device,
+                on_micro_batch,
+            )
+        else:
+            rows, labels = _padded_forward(
+                model,
+                [prompts[i] for i in batch],
+                [responses[i] for i in batch],
+                pad_token_id,
+                device,
+                on_micro_batch,
+            )
+        if rows is None:
             continue
-        rows = torch.cat(picked).float()
+        rows = rows.float()
         if temperature != 1.0:
             rows = rows / temperature
-        logprobs = logprobs_from_logits(rows, torch.cat(labels).to(rows.device)).cpu()
+        logprobs = logprobs_from_logits(rows, labels.to(rows.device)).cpu()
         for i, chunk in zip(batch, logprobs.split(sizes), strict=True):
             out[i] = chunk.tolist()
     return out
+
+
+def _padded_forward(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    device: torch.device,
+    on_micro_batch: Callable[[int, int], None] | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One right-padded forward: the logits predicting every response token, samples back to back
+    ``(sum(len(r)), V)``, and those tokens; None when no response has a token."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids = [*p, *r]
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+    if on_micro_batch is not None:
+        on_micro_batch(len(prompts), len(prompts) * width)
+    logits = model(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    ).logits
+    # Only the positions that predict response tokens: row r, positions P-1 .. P+R-2.
+    picked, labels = [], []
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if r:
+            picked.append(logits[row, len(p) - 1 : len(p) + len(r) - 1])
+            labels.append(input_ids[row, len(p) : len(p) + len(r)])
+    if not picked:
+        return None, input_ids.new_zeros(0)
+    return torch.cat(picked), torch.cat(labels)
+
+
+def _packed_forward(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    device: torch.device,
+    on_micro_batch: Callable[[int, int], None] | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One padding-free forward (:func:`rlmesh.algo.packing.pack_units`): each sample its prompt
+    then its response, positions from 0, attending to itself only; the same outputs as
+    :func:`_padded_forward`, up to float summation order."""
+    pieces = [part for p, r in zip(prompts, responses, strict=True) for part in (p, r)]
+    piece_lengths = [len(x) for x in pieces]
+    ids = torch.tensor([t for x in pieces for t in x], dtype=torch.long)
+    positions = torch.cat([torch.arange(len(p) + len(r)) for p, r in zip(prompts, responses, strict=True)])
+    packed = pack_units(
+        ids, positions, piece_lengths, [[2 * k, 2 * k + 1] for k in range(len(prompts))], pad_id=pad_token_id
+    )
+    # Response token t of sample k is scored by the output just before it, in the same row.
+    row = torch.cat([packed.row[2 * k].expand(len(r)) for k, r in enumerate(responses)])
+    col = torch.cat(
+        [
+            packed.start[2 * k] + len(p) - 1 + torch.arange(len(r))
+            for k, (p, r) in enumerate(zip(prompts, responses, strict=True))
+        ]
+    )
+    if row.numel() == 0:
+        return None, ids.new_zeros(0)
+    if on_micro_batch is not None:
+        on_micro_batch(len(prompts), packed.input_ids.numel())
+    keep = torch.unique(col)
+    logits = model(
+        input_ids=packed.input_ids.to(device),
+        attention_mask=packed.attention_mask.to(device),
+        position_ids=packed.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=keep.to(device),
+    ).logits
+    index = torch.searchsorted(keep, col)
+    return logits[row.to(device), index.to(device)], torch.tensor(
+        [t for r in responses for t in r], dtype=torch.long
+    )
 
 
 def default_device() -> torch.device:
@@ -96,7 +177,9 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 class ReferenceModel:
     """The frozen reference policy with its limits; ``log_probs`` is safe to call from one thread
-    at a time (a lock makes sure of it). ``busy`` records when its forwards run (``BusyTracker``)."""
+    at a time (a lock makes sure of it). ``busy`` records when its forwards run (``BusyTracker``).
+    ``pack``: padding-free forwards (``actor_rollout_ref.model.use_remove_padding``, set by
+    ``data.use_sequence_packing`` too); ValueError at once when the model cannot take them."""
 
     def __init__(
         self,
@@ -108,12 +191,21 @@ class ReferenceModel:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         pad_token_id: int | None = None,
         temperature: float = 1.0,
+        pack: bool = False,
         busy: BusyTracker | None = None,
     ) -> None:
+        config = getattr(model, "config", None)
+        problem = attention_mask_problem(config) if pack else None
+        if problem is not None:
+            raise ValueError(
+                "actor_rollout_ref.model.use_remove_padding=true (padding-free sequence packing; "
+                f"data.use_sequence_packing=true sets it too) cannot run on the reference model: {problem}. "
+                "Set actor_rollout_ref.model.use_remove_padding=false (and data.use_sequence_packing=false)"
+            )
+        self.pack = pack
         self.model = model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
-        config = getattr(model, "config", None)
         self.model_path = model_path
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
@@ -221,6 +313,7 @@ class ReferenceModel:
                 max_samples_per_batch=self.max_samples_per_batch,
                 pad_token_id=self.pad_token_id,
                 temperature=self.temperature,
+                pack=self.pack,
                 should_stop=should_stop,
                 on_micro_batch=on_micro_batch,
             )

@@ -23,7 +23,7 @@ def reference_model_path(cfg: RLMeshConfig) -> str:
 
 
 def reference_max_tokens(cfg: RLMeshConfig) -> int:
-    """Padded tokens per forward."""
+    """Tokens per forward: padding included, or the real tokens of a packed one."""
     return cfg.rlmesh.reference.max_tokens or cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu
 
 
@@ -82,4 +82,5 @@ def _load(cfg: RLMeshConfig, path: str) -> ReferenceModel:
         max_samples_per_batch=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
         max_batch_size=section.max_batch_size,
         temperature=temperature,
+        pack=bool(model_cfg.use_remove_padding),
     )
