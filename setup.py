@@ -9,5 +9,8 @@ packages += ["rlmesh_services"] + [f"rlmesh_services.{p}" for p in find_packages
 setup(
     packages=packages,
     package_dir={"rlmesh": "libs/rlmesh", "rlmesh_services": "services"},
-    package_data={"rlmesh": ["py.typed", "job/*.yaml"], "rlmesh_services": ["*/*.yaml"]},
+    package_data={
+        "rlmesh": ["py.typed", "job/*.yaml", "control/static/*", "control/static/vendor/*"],
+        "rlmesh_services": ["*/*.yaml"],
+    },
 )

@@ -1,0 +1,38 @@
+"""The dashboard: one static page the control plane serves at ``/dashboard/`` (``/`` leads there),
+with its script, style and the vendored chart library (uPlot); no build step. The files are open
+like ``/health`` (they hold no data of the run); the page asks for the run's token and sends it with
+each API call. docs/control.md#dashboard"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
+
+from rlmesh.engine.auth import OPEN_PATHS
+
+STATIC = Path(__file__).parent / "static"
+PREFIX = "/dashboard"
+
+
+def open_paths() -> frozenset[str]:
+    """The exact paths the bearer token does not guard: the engines' (``/health``, ``/metrics``)
+    and the page's files, each by name (no prefix: nothing added under it later opens by accident)."""
+    files = {f"{PREFIX}/{p.relative_to(STATIC).as_posix()}" for p in STATIC.rglob("*") if p.is_file()}
+    return OPEN_PATHS | {"/", PREFIX, f"{PREFIX}/", *files}
+
+
+def mount_dashboard(app: FastAPI) -> None:
+    """Adds the page to ``app``; its API calls go to ``/api/v1`` of the same origin."""
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse(f"{PREFIX}/")
+
+    @app.get(PREFIX, include_in_schema=False)
+    async def dashboard() -> RedirectResponse:
+        return RedirectResponse(f"{PREFIX}/")
+
+    app.mount(PREFIX, StaticFiles(directory=STATIC, html=True), name="dashboard")
