@@ -2,8 +2,8 @@
 each phase of a demo-shaped PPO step.
 
 Run: ``python benchmarks/bench_learner.py [--hidden 256] [--layers 4] [--batch 8] [--seq 128]
-[--iters 5] [--stages 0,1,2,3] [--dtype float32]``, or ``--ppo-step`` for the PPO step alone
-(``make bench-learner`` runs both).
+[--iters 5] [--stages 0,1,2,3] [--dtype float32]``, or ``--ppo-step`` for the demo PPO step alone, or
+``--long-tail`` for the long-tail PPO step alone (``make bench-learner`` runs all three).
 
 For the actor (causal LM, the learner's log-prob path) and the critic (token-classification value
 model), on one rank and the same model and batch: tokens/s of forward + backward + optimizer step
@@ -18,11 +18,18 @@ PPO step (``--ppo-step [--steps 8] [--threads 1] [override ...]``): ``PPOTrainer
 the demo's config (``examples/cpu_demo.yaml``: 32 prompts x 4 samples, 2 mini-batches, GAE, KL in
 the reward) on the demo's model shape (a random-init Qwen2, hidden 128, 2 layers, the demo's
 tokenizer) and the demo's arithmetic prompts, responses of 2-12 tokens (most 5, the demo's answer
-length). Two trainers from the same weights train on the same batches, step by step in turn: one
-running each prompt once for all its samples (``share_prompts``, the default), one in the padded
-layout. It prints the median seconds (wall and CPU) of each phase of both, the ratio, and the
-largest difference between their metrics. Overrides are the config's (``key=value``), e.g.
-``critic.model.enable_gradient_checkpointing=false``.
+length). Three trainers from the same weights train on the same batches, step by step in turn:
+``packed`` (padding-free, ``data.use_sequence_packing``: every forward, the critic's too),
+``shared`` (padded, each prompt run once for all its samples, ``share_prompts``) and ``padded``
+(neither). It prints the median seconds (wall and CPU) of each phase of each, padded over packed,
+the real tokens per second of a whole step, and the largest difference between the metrics of
+packed and padded.
+
+Long tail (``--long-tail``): the same on batches of 16 prompts x 4 samples with a long-tailed
+length distribution (prompts of 16-48 tokens; responses of 4-32 tokens, one in 16 of 256-512), in
+micro-batches of at most 4096 real tokens (``use_dynamic_bsz``): where padding costs most.
+
+Overrides are the config's (``key=value``), e.g. ``critic.model.enable_gradient_checkpointing=false``.
 """
 
 from __future__ import annotations
@@ -109,7 +116,7 @@ def deepspeed_step_time(engine, loss_fn, mb: MicroBatch, iters: int) -> float:
     return time_steps(step, iters)
 
 
-PPO_PHASES = ("old_log_prob", "values", "adv", "update_critic", "update_actor")
+PPO_PHASES = ("ref", "old_log_prob", "values", "adv", "update_critic", "update_actor")
 
 
 def demo_batches(workdir: str, steps: int, seed: int = 0) -> tuple[str, list]:
@@ -155,8 +162,57 @@ def demo_batches(workdir: str, steps: int, seed: int = 0) -> tuple[str, list]:
     return str(model), batches
 
 
-def ppo_step(steps: int, threads: int, overrides: list[str]) -> None:
-    """Per-phase times of the demo's PPO step, prompts shared and padded, in turn; see the module doc."""
+def long_tail_batches(model: str, steps: int, seed: int = 0, prompts: int = 16, n: int = 4) -> list:
+    """``steps`` batches of ``prompts`` x ``n`` random sequences with a long tail: prompts of 16-48
+    tokens; responses of 4-32 tokens, except one in 16 of 256-512."""
+    import random
+
+    from rlmesh.learner import build_batch
+    from rlmesh.models.tokenizer import load_tokenizer
+    from rlmesh.v1.trajectory_pb2 import Trajectory
+
+    tokenizer = load_tokenizer(model)
+    vocab = len(tokenizer)
+    rng = random.Random(seed)
+    batches = []
+    for step in range(steps):
+        trajectories = []
+        for g in range(prompts):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(16, 48))]
+            for k in range(n):
+                length = rng.randint(256, 512) if rng.random() < 1 / 16 else rng.randint(4, 32)
+                response = [rng.randrange(vocab) for _ in range(length)]
+                t = Trajectory(uid=f"{step}/{g}/{k}", group_uid=f"{step}/{g}", prompt_ids=prompt,
+                               response_ids=response, score=float(rng.random() < 0.3), policy_version=step,
+                               data_source="arithmetic")  # fmt: skip
+                t.rollout_log_probs.extend(-rng.uniform(0.0, 3.0) for _ in response)
+                t.ref_log_probs.extend(-rng.uniform(0.0, 3.0) for _ in response)
+                trajectories.append(t)
+        batches.append(build_batch(trajectories, tokenizer.pad_token_id, with_ref=True))
+    return batches
+
+
+# name: (config overrides, share_prompts). "packed" is the default config (use_remove_padding) with
+# the critic packed too; "shared" runs each prompt once for its samples, padded; "padded" neither.
+VARIANTS: dict[str, tuple[list[str], bool]] = {
+    "packed": (["data.use_sequence_packing=true"], True),
+    "shared": (["actor_rollout_ref.model.use_remove_padding=false"], True),
+    "padded": (["actor_rollout_ref.model.use_remove_padding=false"], False),
+}
+
+# The long-tail batch: 16 prompts x 4 samples, 2 mini-batches, micro-batches by a token budget.
+LONG_TAIL_OVERRIDES = [
+    "data.train_batch_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "data.max_response_length=512",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+]
+
+
+def ppo_step(steps: int, threads: int, overrides: list[str], long_tail: bool = False) -> None:
+    """Per-phase times of the demo's PPO step in each of :data:`VARIANTS`, in turn; see the module
+    doc. ``long_tail``: on :func:`long_tail_batches` (with :data:`LONG_TAIL_OVERRIDES`)."""
     import statistics
     from pathlib import Path
 
@@ -167,29 +223,34 @@ def ppo_step(steps: int, threads: int, overrides: list[str]) -> None:
     warmup = 2
     with tempfile.TemporaryDirectory() as tmp:
         model, batches = demo_batches(tmp, warmup + steps)
+        if long_tail:
+            batches = long_tail_batches(model, warmup + steps)
+            overrides = [*LONG_TAIL_OVERRIDES, *overrides]
         demo_yaml = Path(__file__).resolve().parents[1] / "examples" / "cpu_demo.yaml"
-        cfg = load_config(demo_yaml, [f"actor_rollout_ref.model.path={model}", *overrides])
-        variants = {"shared": True, "padded": False}
         trainers = {}
-        for name, share in variants.items():
+        for name, (variant, share) in VARIANTS.items():
+            cfg = load_config(demo_yaml, [f"actor_rollout_ref.model.path={model}", *overrides, *variant])
             trainer = PPOTrainer(cfg, total_training_steps=280)
             trainer.actor.share_prompts = share
             if trainer.critic is not None:
                 trainer.critic.share_prompts = share
             trainers[name] = trainer
-        wall = {name: {k: [] for k in (*PPO_PHASES, "step")} for name in variants}
-        cpu = {name: [] for name in variants}
-        worst: dict[str, tuple[float, float, float]] = {}  # metric: (relative difference, padded, shared)
+        names = list(VARIANTS)
+        wall = {name: {k: [] for k in (*PPO_PHASES, "step")} for name in names}
+        cpu = {name: [] for name in names}
+        worst: dict[str, tuple[float, float, float]] = {}  # metric: (relative difference, padded, packed)
         tokens = [int(b.attention_mask.sum()) for b in batches]
+        lengths = torch.cat([b.attention_mask.sum(dim=1) for b in batches]).float()
         print(
-            f"PPO step: demo config, {len(batches[0])} sequences of {statistics.mean(tokens) / len(batches[0]):.1f} "
-            f"tokens on average (padded to {batches[0].input_ids.shape[1]}); torch threads {threads}; "
-            f"{steps} steps after {warmup} warm-up; overrides {overrides or 'none'}",
+            f"PPO step: demo config{' + long tail' if long_tail else ''}, {len(batches[0])} sequences of "
+            f"{lengths.mean():.1f} tokens on average (median {lengths.median():.0f}, max {lengths.max():.0f}; "
+            f"padded to {batches[0].input_ids.shape[1]}); torch threads {threads}; {steps} steps after "
+            f"{warmup} warm-up; overrides {overrides or 'none'}",
             flush=True,
         )
         for i, batch in enumerate(batches):
             metrics = {}
-            for name in variants if i % 2 == 0 else reversed(list(variants)):
+            for name in names[i % len(names) :] + names[: i % len(names)]:  # each goes first in turn
                 c0, t0 = time.process_time(), time.perf_counter()
                 metrics[name] = trainers[name].train_step(batch)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -200,19 +261,31 @@ def ppo_step(steps: int, threads: int, overrides: list[str]) -> None:
                     cpu[name].append(dc)
             for k, v in metrics["padded"].items():
                 if not k.startswith("timing"):
-                    d = abs(metrics["shared"][k] - v) / max(abs(v), 1e-3)
+                    d = abs(metrics["packed"][k] - v) / max(abs(v), 1e-3)
                     if d >= worst.get(k, (-1.0,))[0]:
-                        worst[k] = (d, v, metrics["shared"][k])
-        print(f"{'phase (median s)':<18}" + "".join(f"{n:>10}" for n in variants) + f"{'ratio':>8}")
+                        worst[k] = (d, v, metrics["packed"][k])
+        print(f"{'phase (median s)':<18}" + "".join(f"{n:>10}" for n in names) + f"{'padded/packed':>15}")
         for k in (*PPO_PHASES, "step"):
-            a, b = (statistics.median(wall[n][k]) for n in variants)
-            print(f"{k:<18}{a:>10.3f}{b:>10.3f}{b / a if a else float('nan'):>8.2f}")
-        a, b = (statistics.median(cpu[n]) for n in variants)
-        print(f"{'step (CPU s)':<18}{a:>10.3f}{b:>10.3f}{b / a:>8.2f}")
+            med = {n: statistics.median(wall[n][k]) for n in names}
+            ratio = med["padded"] / med["packed"] if med["packed"] else float("nan")
+            print(f"{k:<18}" + "".join(f"{med[n]:>10.3f}" for n in names) + f"{ratio:>15.2f}")
+        med = {n: statistics.median(cpu[n]) for n in names}
+        print(
+            f"{'step (CPU s)':<18}"
+            + "".join(f"{med[n]:>10.3f}" for n in names)
+            + f"{med['padded'] / med['packed']:>15.2f}"
+        )
+        per_step = statistics.mean(tokens[warmup:])
+        med = {n: statistics.median(wall[n]["step"]) for n in names}
+        print(
+            f"{'tokens/s (step)':<18}" + "".join(f"{per_step / med[n]:>10,.0f}" for n in names)
+            + f"{med['padded'] / med['packed']:>15.2f}",
+            flush=True,
+        )  # fmt: skip
         key = max(worst, key=lambda k: worst[k][0])
         d, v, w = worst[key]
         print(
-            f"largest metric difference, shared vs padded: {d:.1e} of max(|value|, 1e-3) ({key}: {v:.6g} vs {w:.6g})",
+            f"largest metric difference, packed vs padded: {d:.1e} of max(|value|, 1e-3) ({key}: {v:.6g} vs {w:.6g})",
             flush=True,
         )
 
@@ -227,13 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--ppo-step", action="store_true", help="only the demo-shaped PPO step")
+    parser.add_argument(
+        "--long-tail", action="store_true", help="only the PPO step on long-tail batches, padded vs packed"
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed PPO steps (--ppo-step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the PPO step")
     parser.add_argument("overrides", nargs="*", help="config overrides of the PPO step (key=value)")
     args = parser.parse_args(argv)
-    if args.ppo_step:
+    if args.ppo_step or args.long_tail:
         init_distributed()
-        ppo_step(args.steps, args.threads, args.overrides)
+        ppo_step(args.steps, args.threads, args.overrides, long_tail=args.long_tail)
         return 0
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     stages = [int(s) for s in args.stages.split(",")]
@@ -283,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{role:<7} {stage:>5}  {plain_tps:>11,.0f}  {ds_tps:>15,.0f}  x{ratio:.2f}")
     print()
     ppo_step(args.steps, args.threads, args.overrides)
+    print()
+    ppo_step(args.steps, args.threads, args.overrides, long_tail=True)
     return 0
 
 
