@@ -164,7 +164,13 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
             # What the fuzz left pending is replaced before the run goes on.
             stub.UpdateHyperparams(
                 learner_pb2.UpdateHyperparamsRequest(
-                    lr=3e-5, entropy_coeff=0.01, kl_coef=0.001, temperature=1.0
+                    lr=3e-5,
+                    entropy_coeff=0.01,
+                    kl_coef=0.001,
+                    temperature=1.0,
+                    kl_loss_coef=0.001,
+                    clip_ratio=0.2,
+                    top_p=1.0,
                 )
             )
             stub.Resume(common_pb2.Empty())

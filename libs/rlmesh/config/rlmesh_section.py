@@ -166,6 +166,52 @@ class LearnerServiceConfig(ServiceConfig):
     )
 
 
+class AutoResponseConfig(Section):
+    """The control plane's opt-in automatic responses to a run going off course (docs/control.md)."""
+
+    enabled: bool = Field(
+        False,
+        description="apply the remedies below through the live hyper-parameter path, each logged in the "
+        "audit log; false = only report (the alert rules still fire)",
+    )
+    kl_threshold: float = Field(
+        0.03,
+        gt=0,
+        description="KL mean (actor/reward_kl_penalty, else actor/kl_loss) above which to raise the KL coefficient",
+    )
+    kl_factor: float = Field(1.5, gt=1, description="the KL coefficient is multiplied by this per action")
+    kl_coef_max: float = Field(1.0, gt=0, description="ceiling of a KL coefficient raised automatically")
+    grad_norm_threshold: float = Field(
+        5.0, gt=0, description="actor grad norm (actor/grad_norm) above which to lower the actor lr"
+    )
+    lr_factor: float = Field(0.5, gt=0, lt=1, description="the actor lr is multiplied by this per action")
+    lr_min: float = Field(1e-8, gt=0, description="floor of an actor lr lowered automatically")
+    min_steps_between: int = Field(5, ge=1, description="training steps between two actions of one remedy")
+    min_seconds_between: float = Field(300.0, ge=0, description="seconds between two actions of one remedy")
+    poll_s: float = Field(
+        2.0, gt=0, description="how often the control plane reads new step metrics, seconds"
+    )
+
+
+class ControlServiceConfig(ServiceConfig):
+    """The control plane: a REST API over the learner, the replicas, the reward services and the queues."""
+
+    history_steps: int = Field(
+        10_000,
+        ge=1,
+        description="steps of metrics the learner keeps in Redis for the control plane (a capped stream)",
+    )
+    audit_max_entries: int = Field(
+        10_000, ge=1, description="entries the audit log of control actions keeps in Redis"
+    )
+    enabled: bool = Field(
+        True, description="`rlmesh train` (and the demo) start the control plane; false = not started"
+    )
+    auto: AutoResponseConfig = Field(
+        default_factory=AutoResponseConfig, description="automatic responses to alert conditions"
+    )
+
+
 def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:
     port, metrics_port = SERVICE_PORTS[name]
     return Field(
@@ -325,7 +371,7 @@ class RlmeshSection(Section):
     reference: ReferenceServiceConfig = _service("reference", ReferenceServiceConfig)
     rollout: RolloutServiceConfig = _service("rollout", RolloutServiceConfig)
     learner: LearnerServiceConfig = _service("learner", LearnerServiceConfig)
-    control: ServiceConfig = _service("control")
+    control: ControlServiceConfig = _service("control", ControlServiceConfig)
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="learner → engine weights"
     )

@@ -21,7 +21,8 @@ import redis.asyncio as aioredis
 import torch
 
 from rlmesh.algo import get_kl_controller
-from rlmesh.config import RLMeshConfig
+from rlmesh.config import RLMeshConfig, dump_yaml
+from rlmesh.config.secrets import redact_url
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner.batch import validate_trajectory
@@ -30,7 +31,7 @@ from rlmesh.learner.collect import BatchCollector, StepBatch
 from rlmesh.learner.commands import Followers, RankCommand, run_collective
 from rlmesh.learner.feeder import PromptFeeder, index_of
 from rlmesh.learner.recovery import LostGroupRecovery
-from rlmesh.learner.sinks import MetricsSinks
+from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.validation import val_sampling, validate
 from rlmesh.learner.weight_push import WeightPusher, WeightPushError, weight_master_address
 from rlmesh.models.tokenizer import load_tokenizer
@@ -46,6 +47,7 @@ from rlmesh.queue import (
 from rlmesh.queue.connection import TRANSIENT_ERRORS
 from rlmesh.queue.lease import RunLease
 from rlmesh.queue.policy import publish_policy
+from rlmesh.queue.run_info import publish_config, publish_step_metrics
 from rlmesh.reward.client import RewardClient
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
@@ -86,6 +88,9 @@ class LoopState:
     live_replicas: int = 0
     message: str = ""
     pending_hparams: dict[str, float] = field(default_factory=dict)
+    # The last step whose hyper-parameters were taken (mid-step, before its training): a change
+    # made after that applies from the step after it.
+    hparams_step: int = 0
     checkpoint_requests: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
 
 
@@ -142,6 +147,10 @@ class TrainingLoop:
         # it redoes again: the last line of a step counts). The chaos tests audit runs with it.
         self.groups_path = None if follower else out_dir / "trained_groups.jsonl"
         self._redis: aioredis.Redis | None = None
+        self.follower = follower
+        # Temperatures set live, each with the first step whose prompts were queued with it: the
+        # learner scores a step's samples at the temperature that generated them.
+        self._temperature_from: list[tuple[int, float]] = []
         # Made by _connect (rank 0 only).
         self.lease: RunLease | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -225,6 +234,9 @@ class TrainingLoop:
             verify_tensors=ws.verify_tensors,
         )
         self.reward = RewardClient.from_config(cfg, redis=redis)
+        await retry_forever(
+            lambda: publish_config(redis, self.keys, _public_config_yaml(cfg)), "publish the config"
+        )
 
     def _resume(self) -> None:
         mode = self.cfg.trainer.resume_mode
@@ -244,6 +256,10 @@ class TrainingLoop:
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         self.cursor.load_state_dict(extra["data_cursor"])
         self.used_window = deque([list(extra.get("used_uids", []))])
+        sampling = extra.get("sampling") or {}  # set live before the checkpoint (older ones: none)
+        for name in ("temperature", "top_p"):
+            if name in sampling:
+                setattr(self.feeder.sampling, name, float(sampling[name]))
         self.state.last_checkpoint = path
 
     # ----- collectives: rank 0 announces, then runs its own part -----
@@ -433,21 +449,67 @@ class TrainingLoop:
                 self.state.phase = "PAUSED"
             await asyncio.sleep(0.2)
 
-    def current_hparams(self) -> dict[str, float]:
-        """The values in force now (pending updates included), by short name."""
-        cfg = self.cfg
+    def hparams_in_force(self) -> dict[str, float]:
+        """The live hyper-parameters as the last step used them (sampling: as prompts are queued
+        now), by ``UpdateHyperparamsRequest``'s field names."""
+        rollout = self.cfg.actor_rollout_ref.rollout
+        actor = self.trainer.actor
+        sampling = self.feeder.sampling if self.feeder is not None else None
         values = {
             "kl_coef": float(self.kl_ctrl.value),
+            "kl_loss_coef": float(actor.kl_loss_coef),
             "lr": self.trainer.peak_lr(),
-            "entropy_coeff": float(self.trainer.actor.entropy_coeff),
-            "temperature": float(
-                self.feeder.sampling.temperature
-                if self.feeder is not None
-                else cfg.actor_rollout_ref.rollout.temperature
-            ),
+            "entropy_coeff": float(actor.entropy_coeff),
+            "clip_ratio": float(actor.config.clip_ratio),
+            # The tasks carry them as float32: shown at float32's precision (0.9, not 0.899999976).
+            "temperature": _f32(sampling.temperature if sampling is not None else rollout.temperature),
+            "top_p": _f32(sampling.top_p if sampling is not None else rollout.top_p),
         }
-        values.update(self.state.pending_hparams)
+        critic_lr = self.trainer.critic_peak_lr()
+        if critic_lr is not None:
+            values["critic_lr"] = critic_lr
         return values
+
+    def current_hparams(self) -> dict[str, float]:
+        """The values in force now with pending updates applied, by short name."""
+        return {**self.hparams_in_force(), **self.state.pending_hparams}
+
+    def _take_hparams(self, step: int) -> dict[str, float]:
+        """Applies the pending updates the loop owns (the KL controller, the sampling of prompts
+        queued from now on); returns what the trainer applies on every rank before ``step``."""
+        hparams, self.state.pending_hparams = self.state.pending_hparams, {}
+        self.state.hparams_step = step
+        if "kl_coef" in hparams:
+            self.kl_ctrl.value = hparams.pop("kl_coef")
+        if "top_p" in hparams:
+            self.feeder.sampling.top_p = hparams.pop("top_p")
+        if "temperature" in hparams:
+            value = hparams.pop("temperature")
+            self.feeder.sampling.temperature = value
+            # Steps already queued keep the temperature they were queued with.
+            self._temperature_from.append((max(self.feeder.enqueued, default=step) + 1, value))
+        due = [value for first, value in self._temperature_from if first <= step]
+        if due:
+            hparams["temperature"] = due[-1]
+            self._temperature_from = [(f, v) for f, v in self._temperature_from if f > step]
+        return hparams
+
+    async def _log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """The sinks (file, console, Prometheus, wandb, mlflow) and the run's metrics stream in
+        Redis, which the control plane reads; a Redis outage costs the stream that row only."""
+        self.sinks.log(step, metrics)
+        if self._redis is None or self.follower:
+            return
+        try:
+            await publish_step_metrics(
+                self._redis,
+                self.keys,
+                step,
+                {k: v for k, v in metrics.items() if not k.startswith(JSONL_ONLY_PREFIXES)},
+                maxlen=self.cfg.rlmesh.control.history_steps,
+            )
+        except TRANSIENT_ERRORS as e:
+            log.warning("step %d: metrics not published to Redis: %s", step, e)
 
     async def _step(self) -> None:
         cfg, st = self.cfg, self.state
@@ -470,13 +532,11 @@ class TrainingLoop:
         batch = build_batch(
             collected.trajectories, self.tokenizer.pad_token_id, with_ref=self._ref_from_replicas
         )
-        hparams, st.pending_hparams = st.pending_hparams, {}
-        if "kl_coef" in hparams:
-            self.kl_ctrl.value = hparams.pop("kl_coef")
-        if "temperature" in hparams:  # sampling of the prompts queued from now on
-            self.feeder.sampling.temperature = hparams.pop("temperature")
+        hparams = self._take_hparams(step)
         train = RankCommand("train", batch=batch, kl_ctrl=self.kl_ctrl, hparams=hparams)
         metrics = await asyncio.to_thread(self._collective, train)
+        # What this step trained with: a live change shows in the history at the step it reached.
+        metrics.update({f"hparams/{k}": v for k, v in self.hparams_in_force().items()})
         st.version += 1
         st.phase = "PUSHING_WEIGHTS"
         t_push = await self.push_weights()
@@ -523,7 +583,7 @@ class TrainingLoop:
             metrics.update(await self._validate(step))
         st.last_metrics = metrics
         st.step = step  # last: GetStatus then shows this step with its own metrics
-        self.sinks.log(step, metrics)
+        await self._log_metrics(step, metrics)
 
     def _record_groups(self, step: int, collected: StepBatch) -> None:
         if self.groups_path is None:
@@ -555,7 +615,7 @@ class TrainingLoop:
         )
         self.state.phase = prev
         if step == 0:
-            self.sinks.log(0, metrics)
+            await self._log_metrics(0, metrics)
         self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}")
         return metrics
 
@@ -569,6 +629,10 @@ class TrainingLoop:
             "data_cursor": self.feeder.cursor_after(step),
             "used_uids": sorted(u for uids in self.used_window for u in uids),
             "run_id": self.keys.run_id,
+            "sampling": {
+                "temperature": float(self.feeder.sampling.temperature),
+                "top_p": float(self.feeder.sampling.top_p),
+            },
         }
         await asyncio.to_thread(
             self._collective,
@@ -588,6 +652,18 @@ class TrainingLoop:
                 fut.set_result(path)
         self.state.checkpoint_requests.clear()
         return path
+
+
+def _f32(value: float) -> float:
+    return float(f"{value:.7g}")
+
+
+def _public_config_yaml(cfg: RLMeshConfig) -> str:
+    """The config as YAML without its secrets: the token gone, Redis's password masked."""
+    public = cfg.model_copy(deep=True)
+    public.rlmesh.auth_token = None
+    public.rlmesh.redis_url = redact_url(public.rlmesh.redis_url)
+    return dump_yaml(public)
 
 
 def _jsonable(value: Any) -> Any:

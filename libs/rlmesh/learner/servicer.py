@@ -18,7 +18,13 @@ HPARAM_KEYS = {
     "lr": "actor_rollout_ref.actor.optim.lr",
     "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
     "temperature": "actor_rollout_ref.rollout.temperature",
+    "critic_lr": "critic.optim.lr",
+    "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
+    "clip_ratio": "actor_rollout_ref.actor.clip_ratio",
+    "top_p": "actor_rollout_ref.rollout.top_p",
 }
+# Must be > 0 (the others >= 0; temperature 0 is greedy); top_p also <= 1.
+POSITIVE = ("lr", "critic_lr", "top_p")
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -38,6 +44,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
             live_replicas=st.live_replicas,
             last_checkpoint=st.last_checkpoint,
             message=st.message,
+            hyperparams=self.loop.current_hparams(),
         )
 
     async def GetStatus(
@@ -86,13 +93,22 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be a finite number"
                 )
-            if value < 0 or (key == "lr" and value == 0):
-                allowed = "> 0" if key == "lr" else ">= 0"
+            if value < 0 or (key in POSITIVE and value == 0):
+                allowed = "> 0" if key in POSITIVE else ">= 0"
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be {allowed}")
+            if key == "top_p" and value > 1:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p={value}: must be <= 1")
+            if key == "critic_lr" and self.loop.trainer.critic is None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "critic_lr: this run has no critic (algorithm.adv_estimator is not gae)",
+                )
         self.loop.state.pending_hparams.update(given)
-        log.info("hyper-parameters updated from step %d: %s", self.loop.state.step + 1, given)
+        st = self.loop.state
+        applies = max(st.step, st.hparams_step) + 1  # the step under way took its values already
+        log.info("hyper-parameters updated from step %d: %s", applies, given)
         return learner_pb2.UpdateHyperparamsResponse(
-            applies_from_step=self.loop.state.step + 1,
+            applies_from_step=applies,
             values={HPARAM_KEYS[k]: v for k, v in self.loop.current_hparams().items()},
         )
 

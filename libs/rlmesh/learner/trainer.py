@@ -336,24 +336,66 @@ class PPOTrainer:
     # ------------------------------------------------------------------ control
 
     def update_hyperparams(
-        self, lr: float | None = None, entropy_coeff: float | None = None, kl_coef: float | None = None
+        self,
+        lr: float | None = None,
+        entropy_coeff: float | None = None,
+        kl_coef: float | None = None,
+        *,
+        critic_lr: float | None = None,
+        kl_loss_coef: float | None = None,
+        clip_ratio: float | None = None,
+        temperature: float | None = None,
     ) -> None:
-        """Change the actor's peak lr, the entropy coefficient or the KL coefficient from the next
-        step on. ``kl_coef`` sets ``actor.kl_loss_coef`` (KL loss) and, with KL in the reward, the
-        controller's coefficient at the start of the next :meth:`train_step`."""
+        """Change live hyper-parameters from the next step on: the actor's or the critic's peak lr,
+        the entropy coefficient, the KL coefficient, the clip range or the temperature log-probs
+        are computed at. ``kl_coef`` sets ``actor.kl_loss_coef`` (KL loss) and, with KL in the
+        reward, the controller's coefficient at the start of the next :meth:`train_step`;
+        ``kl_loss_coef`` sets the KL loss's alone. ``clip_ratio`` sets both sides of the clip range
+        (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``). ``temperature`` is the sampling
+        temperature of the samples the next steps train on (0, greedy, scores at 1 as at start)."""
         if lr is not None:
             set_base_lr(self.actor.scheduler, float(lr))
+        if critic_lr is not None:
+            if self.critic is None:
+                raise ValueError("critic_lr: this trainer has no critic")
+            set_base_lr(self.critic.scheduler, float(critic_lr))
         if entropy_coeff is not None:
             self.actor.entropy_coeff = float(entropy_coeff)
         if kl_coef is not None:
             self.actor.kl_loss_coef = float(kl_coef)
             if self.algo_cfg.use_kl_in_reward:
                 self._pending_kl_coef = float(kl_coef)
-        log.info("hyperparameters updated: lr=%s entropy_coeff=%s kl_coef=%s", lr, entropy_coeff, kl_coef)
+        if kl_loss_coef is not None:
+            self.actor.kl_loss_coef = float(kl_loss_coef)
+        if clip_ratio is not None:
+            eps = float(clip_ratio)
+            self.actor.config = self.actor.config.model_copy(
+                update={"clip_ratio": eps, "clip_ratio_low": eps, "clip_ratio_high": eps}
+            )
+        if temperature is not None:
+            scoring = float(temperature) if temperature > 0 else 1.0
+            self.actor.temperature = scoring
+            if self.reference is not None:
+                self.reference.model.temperature = scoring
+        log.info(
+            "hyperparameters updated: lr=%s critic_lr=%s entropy_coeff=%s kl_coef=%s kl_loss_coef=%s "
+            "clip_ratio=%s temperature=%s",
+            lr,
+            critic_lr,
+            entropy_coeff,
+            kl_coef,
+            kl_loss_coef,
+            clip_ratio,
+            temperature,
+        )
 
     def peak_lr(self) -> float:
         """The actor's peak learning rate now (``update_hyperparams`` changes it)."""
         return float(self.actor.scheduler.base_lrs[0])
+
+    def critic_peak_lr(self) -> float | None:
+        """The critic's peak learning rate now; None without a critic."""
+        return None if self.critic is None else float(self.critic.scheduler.base_lrs[0])
 
     # ------------------------------------------------------------------ weights out
 
@@ -426,6 +468,10 @@ class PPOTrainer:
                 "entropy_coeff": self.actor.entropy_coeff,
                 "kl_loss_coef": self.actor.kl_loss_coef,
                 "pending_kl_coef": self._pending_kl_coef,
+                "clip_ratio": self.actor.config.clip_ratio,
+                "clip_ratio_low": self.actor.config.clip_ratio_low,
+                "clip_ratio_high": self.actor.config.clip_ratio_high,
+                "temperature": self.actor.temperature,
             },
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
@@ -453,6 +499,12 @@ class PPOTrainer:
         self.actor.entropy_coeff = float(hp["entropy_coeff"])
         self.actor.kl_loss_coef = float(hp["kl_loss_coef"])
         self._pending_kl_coef = hp["pending_kl_coef"]
+        if "clip_ratio" in hp:  # set live (older checkpoints: the config's)
+            self.actor.config = self.actor.config.model_copy(
+                update={k: hp[k] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")}
+            )
+        if "temperature" in hp:
+            self.update_hyperparams(temperature=float(hp["temperature"]))
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         log.info("checkpoint loaded: %s", path)
         return state["extra_state"]

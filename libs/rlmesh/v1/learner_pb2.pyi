@@ -34,8 +34,15 @@ LEARNER_PHASE_FINISHED: LearnerPhase
 LEARNER_PHASE_FAILED: LearnerPhase
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "total_steps", "policy_version", "phase", "paused", "metrics", "live_replicas", "last_checkpoint", "message")
+    __slots__ = ("run_id", "step", "total_steps", "policy_version", "phase", "paused", "metrics", "live_replicas", "last_checkpoint", "message", "hyperparams")
     class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class HyperparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +59,7 @@ class LearnerStatus(_message.Message):
     LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     total_steps: int
@@ -62,7 +70,8 @@ class LearnerStatus(_message.Message):
     live_replicas: int
     last_checkpoint: str
     message: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., phase: _Optional[_Union[LearnerPhase, str]] = ..., paused: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., live_replicas: _Optional[int] = ..., last_checkpoint: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    hyperparams: _containers.ScalarMap[str, float]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., phase: _Optional[_Union[LearnerPhase, str]] = ..., paused: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., live_replicas: _Optional[int] = ..., last_checkpoint: _Optional[str] = ..., message: _Optional[str] = ..., hyperparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path",)
@@ -79,16 +88,24 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class UpdateHyperparamsRequest(_message.Message):
-    __slots__ = ("kl_coef", "lr", "entropy_coeff", "temperature")
+    __slots__ = ("kl_coef", "lr", "entropy_coeff", "temperature", "critic_lr", "kl_loss_coef", "clip_ratio", "top_p")
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEFF_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CRITIC_LR_FIELD_NUMBER: _ClassVar[int]
+    KL_LOSS_COEF_FIELD_NUMBER: _ClassVar[int]
+    CLIP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
     kl_coef: float
     lr: float
     entropy_coeff: float
     temperature: float
-    def __init__(self, kl_coef: _Optional[float] = ..., lr: _Optional[float] = ..., entropy_coeff: _Optional[float] = ..., temperature: _Optional[float] = ...) -> None: ...
+    critic_lr: float
+    kl_loss_coef: float
+    clip_ratio: float
+    top_p: float
+    def __init__(self, kl_coef: _Optional[float] = ..., lr: _Optional[float] = ..., entropy_coeff: _Optional[float] = ..., temperature: _Optional[float] = ..., critic_lr: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class UpdateHyperparamsResponse(_message.Message):
     __slots__ = ("applies_from_step", "values")
