@@ -83,7 +83,7 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
     try:
         say(f"build extras: {fill_build_extra()}")
         say("building the images (minutes the first time; cached after)")
-        compose("build", timeout=3600)
+        compose("build", timeout=3600, stream=True)
         build_s = time.monotonic() - t0
         sizes = {name: image_size_mb(f"{name}:test") for name in IMAGES}
         say(f"built in {build_s:.0f} s; image sizes (MB): {sizes}")

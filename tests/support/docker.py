@@ -153,10 +153,16 @@ class Compose:
     env: dict[str, str] = field(default_factory=dict)
 
     def __call__(
-        self, *args: str, check: bool = True, timeout: float | None = None
+        self, *args: str, check: bool = True, timeout: float | None = None, stream: bool = False
     ) -> subprocess.CompletedProcess[str]:
+        """Output captured, or with ``stream`` printed as it comes (a build's progress)."""
         argv = ["docker-compose", "-p", self.project, *args]
         env = {**os.environ, **self.env}
+        if stream:
+            p = subprocess.run(argv, cwd=REPO, env=env, text=True, timeout=timeout)
+            if check and p.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)} exited {p.returncode} (its output is above)")
+            return p
         if check:
             return run(argv, cwd=REPO, env=env, timeout=timeout)
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

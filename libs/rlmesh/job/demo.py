@@ -289,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if shutil.which("redis-server") is None:
+    args = build_parser().parse_args(argv)
+    if shutil.which("redis-server") is None and not args.prepare_only:
         say(
             "redis-server is not installed: run `make demo` (it installs it) or `apt-get install redis-server`"
         )
         return 2
-    return run(build_parser().parse_args(argv))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -122,3 +122,15 @@ def test_compose_defaults_are_the_demo_links(service):
     assert defaults.get("MODEL") == str(workdir / demo.LATEST_MODEL)
     if service == "learner":
         assert defaults.get("DATA") == str(workdir / demo.LATEST_DATA)
+
+
+def test_prepare_only_needs_no_redis_and_starts_no_run(tmp_path, monkeypatch, capsys):
+    # docker-compose.yml's prepare service: an image with no redis-server builds the model and data.
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    argv = ["--prepare-only", "--workdir", str(tmp_path / "w"), "--sft-max-epochs", "1", "--warmup-band", "0"]
+    small = ["--train-size", "8", "--dev-size", "2", "--val-size", "2", "--max-operand", "9"]
+    assert demo.main([*argv, *small, "--hidden-size", "16", "--num-layers", "1"]) == 0
+    assert (tmp_path / "w" / demo.LATEST_MODEL / "config.json").is_file()
+    assert (tmp_path / "w" / demo.LATEST_DATA / "train.parquet").is_file()
+    out = capsys.readouterr().out
+    assert "prepared: model" in out and not list((tmp_path / "w").glob("demo-*"))
