@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import signal
 import time
+from urllib.parse import urlsplit
 
 import pytest
+import redis
 
+from rlmesh.queue import RunKeys
+from rlmesh.v1 import trajectory_pb2
 from tests.support.jobs import Job, make_files, step_line
 from tests.support.monitoring import (
     ALERTS,
@@ -85,6 +89,19 @@ def scrape_targets(service_dir) -> dict[str, list[str]]:
     return targets
 
 
+def engine_targets(redis_url: str) -> list[str]:
+    """The address of every registered replica's engine (compose scrapes them as rlmesh-engine)."""
+    keys = RunKeys(RUN_ID)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ids = sorted(client.smembers(keys.replicas))
+        values = client.mget([keys.replica(i.decode()) for i in ids]) if ids else []
+    finally:
+        client.close()
+    registrations = [trajectory_pb2.ReplicaRegistration.FromString(v) for v in values if v]
+    return [urlsplit(r.engine_url).netloc for r in registrations]
+
+
 def wait_for_data(prom: Prometheus, queries: dict[str, str], timeout_s: float) -> dict[str, str]:
     """Polls every query until each has returned data once; returns those that never did, with
     their last result."""
@@ -116,7 +133,10 @@ def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
     try:
         job.wait_for(step_line(1, STEPS), timeout_s=300)  # every service up, one step done
         targets = scrape_targets(tmp_path / "run" / "services" / RUN_ID)
-        assert {"rlmesh-learner", "rlmesh-rollout", "rlmesh-reward", "rlmesh-reference"} <= set(targets)
+        targets["rlmesh-engine"] = engine_targets(job.wait_for(r"^\[train\] redis +(redis://\S+)", 1)[1])
+        assert all(
+            targets.get(f"rlmesh-{s}") for s in ("learner", "rollout", "reward", "reference", "engine")
+        )
         with Prometheus(tmp_path / "prometheus", scrape_config(targets, [ALERTS])) as prom:
             prom.wait_ready()
             # The rules file loaded and evaluated: the watchdog fires on the first evaluation.

@@ -42,6 +42,10 @@ class EngineMetrics:
         self.weight_updates = Counter(
             "rlmesh_engine_weight_updates", "Weight updates", ["source", "outcome"], registry=registry
         )
+        # Every series exists from the start at 0, so a rule on increase() sees the first failure.
+        for source in ("distributed", "disk"):
+            for outcome in ("ok", "failed"):
+                self.weight_updates.labels(source, outcome)
 
     def scrape(self, engine: BatchEngine) -> str:
         """The exposition text, with the gauges read from ``engine`` now."""
