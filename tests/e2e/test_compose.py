@@ -26,7 +26,7 @@ from rlmesh.data.cursor import PromptCursor
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue.keys import RunKeys
 from rlmesh.runtime.auth import bearer_metadata
-from rlmesh.v1 import common_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
 from tests.support.docker import (
     BASE_IMAGE,
     Compose,
@@ -44,8 +44,8 @@ from tests.support.repo import CPU_DEMO
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 
-STEPS = 24
-SCALE_UP_AT = 6  # the fourth replica is added once the learner is past this step
+STEPS = 40
+SCALE_UP_AT = 5  # the fourth replica is added once the learner is past this step
 IMAGES = ("rlmesh", "rlmesh-redis", "rlmesh-prometheus")
 # The learner's overrides in docker-compose.yml that decide which prompts each step draws.
 LEARNER_DATA = ["data.train_files=runs/demo/data/train.parquet", "data.val_files=runs/demo/data/test.parquet"]
@@ -73,15 +73,20 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
             "RLMESH_TAG": "test",
             "RLMESH_BASE_IMAGE": ensure_base_image(),
             "RLMESH_OS_IMAGE": BASE_IMAGE,
+            # No wheel index beyond PyPI: torch comes from the local wheel fill_build_extra copies.
+            "RLMESH_TORCH_INDEX_URL": "",
             "RLMESH_AUTH_TOKEN": secrets.token_hex(16),
             "PROMETHEUS_PORT": str(free_port()),
             "STEPS": str(STEPS),
-            "TEST_FREQ": "12",
-            "SAVE_FREQ": "12",
+            "TEST_FREQ": "20",
+            "SAVE_FREQ": "20",
         },
     )
     try:
-        say(f"build extras: {fill_build_extra()}")
+        extras = fill_build_extra()
+        say(f"build extras: {extras}")
+        if not any(name.startswith("torch-") for name in extras):
+            compose.env.pop("RLMESH_TORCH_INDEX_URL")  # no local wheel: the CPU index, not PyPI's CUDA build
         say("building the images (minutes the first time; cached after)")
         compose("build", timeout=3600, stream=True)
         build_s = time.monotonic() - t0
@@ -94,19 +99,26 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
         dockerd.stop()
 
 
-def learner_status(compose: Compose):
+def learner_call(compose: Compose, method: str):
+    """The learner's ``method`` (GetStatus, Pause, Resume) over gRPC, with the stack's token."""
     (learner,) = compose.containers("learner")
     with grpc.insecure_channel(f"{container_ip(learner)}:50054") as channel:
-        return learner_pb2_grpc.LearnerStub(channel).GetStatus(
-            common_pb2.Empty(), timeout=5, metadata=bearer_metadata(compose.env["RLMESH_AUTH_TOKEN"])
+        return getattr(learner_pb2_grpc.LearnerStub(channel), method)(
+            common_pb2.Empty(), timeout=10, metadata=bearer_metadata(compose.env["RLMESH_AUTH_TOKEN"])
         )
 
 
 def learner_step(compose: Compose) -> int:
+    """The learner's step; -1 while it does not answer (starting, or gone)."""
     try:
-        return learner_status(compose).step
+        return learner_call(compose, "GetStatus").step
     except (grpc.RpcError, ValueError, StopIteration):
-        return -1  # not up yet
+        return -1
+
+
+def paused(compose: Compose) -> bool:
+    status = learner_call(compose, "GetStatus")
+    return status.paused and status.phase == learner_pb2.LEARNER_PHASE_PAUSED
 
 
 def replica_info(compose: Compose, container: str):
@@ -121,6 +133,13 @@ def tasks_done(compose: Compose, container: str) -> int:
         return replica_info(compose, container).tasks_done
     except grpc.RpcError:
         return 0  # still starting
+
+
+def replica_state(compose: Compose, container: str) -> str:
+    try:
+        return replica_info(compose, container).state
+    except grpc.RpcError:
+        return "down"  # still starting
 
 
 def prometheus_up(port: str) -> dict[str, list[float]]:
@@ -171,16 +190,19 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
         every_s=2,
     )
 
+    # The learner holds between steps while replicas come and go, so that each change lands mid-run
+    # however fast this machine trains (at full speed the demo's steps take half a second).
     wait_until(lambda: learner_step(compose) >= SCALE_UP_AT, 900, f"step {SCALE_UP_AT}", every_s=2)
+    learner_call(compose, "Pause")
+    wait_until(lambda: paused(compose), 300, "the learner to pause", every_s=1)
     say("docker-compose up -d --scale rollout=4 (mid-run)")
     compose("up", "-d", "--no-recreate", "--scale", "rollout=4", "rollout", timeout=300)
     (added,) = set(compose.containers("rollout")) - set(first)
     wait_until(
-        lambda: tasks_done(compose, added) > 0,
-        600,
-        "the added replica to take work",
-        every_s=2,
+        lambda: replica_state(compose, added) == "serving", 600, "the added replica to serve", every_s=2
     )
+    learner_call(compose, "Resume")
+    wait_until(lambda: tasks_done(compose, added) > 0, 600, "the added replica to take work", every_s=1)
     joined_at = learner_step(compose)
     say(f"the added replica took work by step {joined_at}")
     wait_until(
@@ -190,12 +212,15 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
         every_s=2,
     )
 
+    learner_call(compose, "Pause")
+    wait_until(lambda: paused(compose), 300, "the learner to pause", every_s=1)
     removed = first[0]
     removed_id = replica_info(compose, removed).replica_id
     say(f"docker stop {removed[:12]} (a first replica leaves mid-run)")
     run(["docker", "stop", "-t", "60", removed])
     assert container_state(removed)["ExitCode"] == 0, compose.logs("rollout")[-3000:]
     removed_at = learner_step(compose)
+    learner_call(compose, "Resume")
 
     (learner,) = compose.containers("learner")
     wait_until(lambda: not container_state(learner)["Running"], 1800, "the learner to finish", every_s=3)
