@@ -17,7 +17,7 @@ import redis
 
 from rlmesh.queue import RunKeys
 from rlmesh.v1 import trajectory_pb2
-from tests.support.jobs import Job, make_files, step_line
+from tests.support.jobs import Job, make_files
 from tests.support.monitoring import (
     ALERTS,
     Prometheus,
@@ -36,8 +36,7 @@ DATA_WITHIN_S = 60  # from Prometheus' first scrape until every query has had da
 # Queries that cannot have data in a short healthy run on CPUs, and why. Keep it short.
 NO_DATA_HERE = {
     ("Tokens/s per GPU while generating", "A"): "the run's replicas compute on the CPU: no GPU to divide by",
-    ("Control plane", "A"): "this run starts no control plane (tests/e2e/test_control.py runs one)",
-    ("Control plane", "B"): "this run starts no control plane, and a healthy run takes no action",
+    ("Control plane", "B"): "a healthy run takes no control action (pause, set_hyperparam, ...)",
 }
 # Alerts whose expression without its threshold still needs what a short run lacks, and the probe
 # checked instead: the series the rule reads.
@@ -73,7 +72,6 @@ def overrides(tmp_path) -> list[str]:
         "rlmesh.reference.colocated=false",
         "rlmesh.rollout.replicas=1",
         "rlmesh.sampler.tasks_in_flight=4",
-        "rlmesh.control.enabled=false",
     ]
 
 
@@ -121,6 +119,12 @@ def wait_for_data(prom: Prometheus, queries: dict[str, str], timeout_s: float) -
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
+    # The exceptions stay honest: each names a query or an alert that exists.
+    known = {(q.panel, q.ref_id) for q in panel_queries()}
+    assert set(NO_DATA_HERE) <= known, (
+        f"NO_DATA_HERE names queries that are gone: {set(NO_DATA_HERE) - known}"
+    )
+    assert set(PROBES) <= {r["alert"] for r in alert_rules()}, "PROBES names an alert that is gone"
     panel_exprs = {
         f"panel {q.panel!r} {q.ref_id}": q.expr
         for q in panel_queries()
@@ -131,12 +135,13 @@ def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
     }
     job = Job.start(["-c", str(CPU_DEMO), *overrides(tmp_path)])
     try:
-        job.wait_for(step_line(1, STEPS), timeout_s=300)  # every service up, one step done
+        job.wait_for(r"^\[train\] control ", timeout_s=300)  # started last: every service is up
         targets = scrape_targets(tmp_path / "run" / "services" / RUN_ID)
         targets["rlmesh-engine"] = engine_targets(job.wait_for(r"^\[train\] redis +(redis://\S+)", 1)[1])
         assert all(
-            targets.get(f"rlmesh-{s}") for s in ("learner", "rollout", "reward", "reference", "engine")
-        )
+            targets.get(f"rlmesh-{s}")
+            for s in ("learner", "rollout", "reward", "reference", "engine", "control")
+        ), f"a service to scrape is missing: {targets}"
         with Prometheus(tmp_path / "prometheus", scrape_config(targets, [ALERTS])) as prom:
             prom.wait_ready()
             # The rules file loaded and evaluated: the watchdog fires on the first evaluation.
@@ -151,12 +156,6 @@ def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
             f"{len(missing)} queries returned no data from a live run within {DATA_WITHIN_S} s "
             "(a metric renamed or never exported?):\n" + "\n".join(f"  {k}: {v}" for k, v in missing.items())
         )
-        # The allow-list stays honest: each entry names a query that exists.
-        known = {(q.panel, q.ref_id) for q in panel_queries()}
-        assert set(NO_DATA_HERE) <= known, (
-            f"NO_DATA_HERE names queries that are gone: {set(NO_DATA_HERE) - known}"
-        )
-        assert set(PROBES) <= {r["alert"] for r in alert_rules()}
     finally:
         job.proc.send_signal(signal.SIGINT)  # stops every service it started
         job.finish(timeout_s=120)
