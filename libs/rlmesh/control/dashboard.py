@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -27,12 +27,11 @@ def open_paths() -> frozenset[str]:
 def mount_dashboard(app: FastAPI) -> None:
     """Adds the page to ``app``; its API calls go to ``/api/v1`` of the same origin."""
 
-    @app.get("/", include_in_schema=False)
-    async def root() -> RedirectResponse:
-        return RedirectResponse(f"{PREFIX}/")
+    async def to_page(request: Request) -> RedirectResponse:
+        query = f"?{request.url.query}" if request.url.query else ""  # the page's settings (poll_ms)
+        return RedirectResponse(f"{PREFIX}/{query}")
 
-    @app.get(PREFIX, include_in_schema=False)
-    async def dashboard() -> RedirectResponse:
-        return RedirectResponse(f"{PREFIX}/")
+    app.add_api_route("/", to_page, include_in_schema=False)
+    app.add_api_route(PREFIX, to_page, include_in_schema=False)
 
     app.mount(PREFIX, StaticFiles(directory=STATIC, html=True), name="dashboard")

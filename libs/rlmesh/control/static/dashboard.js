@@ -41,6 +41,14 @@ window.rlmeshDashboard = state; // for tests and the browser console
 
 const $ = (sel) => document.querySelector(sel);
 const text = (v) => (v === null || v === undefined ? "" : typeof v === "object" ? JSON.stringify(v) : String(v));
+// Tick labels with as many decimals as the tick spacing needs: uPlot's own keep 3, so a KL
+// coefficient moving around 0.001 read 0.001 at every tick.
+function ticks(u, values, axis, space, incr) {
+  let decimals = 0;
+  while (decimals < 12 && Math.abs(Math.round(incr * 10 ** decimals) - incr * 10 ** decimals) > 1e-6 * incr * 10 ** decimals) decimals++;
+  return values.map((v) => (v === null ? "" : v.toFixed(decimals)));
+}
+const labelWidth = (u, values) => (values ? Math.max(4, ...values.map((v) => v.length)) * 7 + 16 : 50);
 const num = (v, digits = 4) => (typeof v === "number" ? Number(v.toPrecision(digits)).toString() : text(v));
 
 function el(tag, attrs = {}, ...children) {
@@ -58,7 +66,8 @@ function el(tag, attrs = {}, ...children) {
 class Unauthorized extends Error {}
 
 async function api(path, options = {}) {
-  const headers = {...(options.headers || {})};
+  // The audit log's "who": this page, with the caller's address the plane adds.
+  const headers = {"X-Rlmesh-User": "dashboard", ...(options.headers || {})};
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
@@ -108,7 +117,7 @@ function draw(id, names, data, time) {
       width, height: 180,
       scales: {x: {time}},
       legend: {live: false},
-      axes: [{size: 30}, {size: 56}],
+      axes: [{size: 30}, {size: labelWidth, values: ticks}],
       series: [{label: time ? "time" : "step"},
         ...names.map((n, i) => ({label: n, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
           points: {show: data[0].length < 40}}))],
