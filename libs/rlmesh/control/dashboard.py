@@ -1,7 +1,6 @@
-"""The dashboard: one static page the control plane serves at ``/dashboard/`` (``/`` leads there),
-with its script, style and the vendored chart library (uPlot); no build step. The files are open
-like ``/health`` (they hold no data of the run); the page asks for the run's token and sends it with
-each API call. docs/control.md#dashboard"""
+"""The dashboard: one static page at ``/dashboard/`` (``/`` leads there), its script, style and the
+vendored uPlot; no build step. The files are open like ``/health`` (they hold nothing of the run);
+the page asks for the run's token and sends it with each API call. docs/control.md#dashboard"""
 
 from __future__ import annotations
 
