@@ -15,7 +15,7 @@ import signal
 import httpx
 import pytest
 
-from tests.support.browser import Browser
+from tests.support.browser import Browser, chromium_path
 from tests.support.jobs import Job, make_files, overrides, step_line
 from tests.support.polling import wait_until
 from tests.support.repo import CPU_DEMO, REPO
@@ -39,12 +39,13 @@ def points(browser: Browser) -> dict[str, int]:
 
 @pytest.mark.timeout(600)
 def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_path):
+    chromium_path()  # before the job: without a browser this test fails at once, saying why
     files = make_files(tmp_path / "files")
     argv = [
         "-c",
         str(CPU_DEMO),
         *overrides(files, tmp_path / "run", STEPS),
-        "rlmesh.rollout.replicas=1",
+        "rlmesh.rollout.replicas=2",  # one is drained from the page at the end
         f"rlmesh.auth_token={TOKEN}",
         "trainer.val_before_train=true",
         "trainer.test_freq=10",
@@ -83,8 +84,8 @@ def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_p
         assert browser.js("document.querySelector('#alerts-card').dataset.firing") is not None
         assert all(got[c] > 0 for c in ALWAYS), got
         assert got["reward"] >= held and got["validation"] >= 1, got
-        assert browser.js("document.querySelector('#replicas tbody').textContent").count("rollout-0") == 1
-        assert "SERVING" in browser.js("document.querySelector('#replicas tbody').textContent")
+        table = browser.js("document.querySelector('#replicas tbody').textContent")
+        assert table.count("rollout-0") == 1 and table.count("rollout-1") == 1 and table.count("SERVING") == 2
         assert (
             browser.js("document.querySelector('button[data-replica=\"rollout-0\"]').textContent") == "drain"
         )
@@ -136,6 +137,20 @@ def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_p
         assert shot.stat().st_size > 20_000  # a page of plots, not a blank one
         if os.environ.get("RLMESH_UPDATE_SCREENSHOT") == "1":
             shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
+
+        # Drain from the table: a click arms the button, a second drains; the other replica goes on.
+        drain = "document.querySelector('button[data-replica=\"rollout-1\"]')"
+        browser.js(f"{drain}.click()")
+        assert browser.js(f"{drain}.textContent") == "confirm drain"
+        browser.js(f"{drain}.click()")
+        browser.wait_js(
+            "/^rollout-1: (?!draining)/.test(document.querySelector('#replicas-msg').textContent)",
+            120,
+            "the drain",
+        )
+        assert [r["replica_id"] for r in api.get("/replicas").json()["replicas"]] == ["rollout-0"]
+        [drained] = api.get("/audit", params={"action": "drain"}).json()["entries"]
+        assert drained["target"] == "rollout-1" and drained["who"].startswith("dashboard@"), drained
 
         # A graceful stop ends the job (exit 0) long before its last step.
         assert api.post("/run/stop", json={"checkpoint": False}).status_code == 200

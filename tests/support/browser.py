@@ -26,13 +26,19 @@ class BrowserError(AssertionError):
     pass
 
 
+def chromium_path() -> str:
+    """Where chromium is; fails (never skips) saying how to get it."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        raise BrowserError(MISSING)
+    return found
+
+
 class Browser:
     """One tab of a headless Chromium whose profile lives in ``profile``."""
 
     def __init__(self, profile: Path, width: int = 1400, height: int = 1000) -> None:
-        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-        if chromium is None:
-            raise BrowserError(MISSING)
+        chromium = chromium_path()
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
         args = [
