@@ -49,7 +49,8 @@ def test_the_one_shot_services_prepare_what_the_others_read():
     checkpoints = next(a.split("=", 1)[1] for a in learner if a.startswith("trainer.default_local_dir="))
     export = [expand(a) for a in services["export"]["command"]]
     assert export[export.index("--checkpoint") + 1] == checkpoints
-    assert services["export"]["depends_on"]["learner"]["condition"] == "service_completed_successfully"
+    # Run after the learner, not by `up`: a dependency on its completion would hold `up -d` for the run.
+    assert services["export"]["profiles"] == ["export"] and "depends_on" not in services["export"]
 
 
 def test_built_and_mounted_files_exist():
@@ -71,6 +72,11 @@ def test_prometheus_finds_the_replicas_by_dns():
     assert {sd["names"][0] for j in rollout for sd in j["dns_sd_configs"]} == {"rollout"}
     static = [t for j in prom["scrape_configs"] for sc in j.get("static_configs", []) for t in sc["targets"]]
     assert {t.split(":")[0] for t in static} == {"learner", "reward", "reference"}
+    # The rule file Prometheus loads is the one the compose file mounts.
+    mounts = dict(
+        v.split(":")[:2] for v in COMPOSE["services"]["prometheus"]["volumes"] if v.startswith("./")
+    )
+    assert mounts["./deploy/alerts.yml"] in prom["rule_files"]
 
 
 def test_the_gpu_recipe_compose_override_names_valid_configs():
