@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server demo demo-seeds test ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -47,6 +47,14 @@ redis-server:
 		echo "redis-server is missing: installing it with apt"; \
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 
+# What the tests drive besides Python: Prometheus (promtool checks the alert rules, a real server
+# scrapes a run) and Chromium with its driver (the dashboard's browser test).
+test-tools: redis-server
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v chromium >/dev/null \
+		&& command -v chromedriver >/dev/null || { \
+		echo "prometheus, chromium or chromium-driver is missing: installing them with apt"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q prometheus chromium chromium-driver; }
+
 demo: venv redis-server
 	$(BIN)/rlmesh demo $(DEMO_ARGS)
 
@@ -54,7 +62,7 @@ demo: venv redis-server
 demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
-test: venv redis-server
+test: venv redis-server test-tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose" --durations=25
 
 # rlmesh ray up on a real two-node local Ray cluster (the `cluster` extra; about 9 minutes; not part
