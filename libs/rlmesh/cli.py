@@ -110,6 +110,12 @@ def cmd_ray(args: argparse.Namespace, rest: list[str]) -> int:
     return ray_main(rest)
 
 
+def cmd_ctl(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.control.ctl import main as ctl_main
+
+    return ctl_main(rest)
+
+
 def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
     from rlmesh.wire.protogen import main as protogen_main
 
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="run one service (reward, reference, rollout, learner) in the foreground",
+        help="run one service (reward, reference, rollout, learner, control) in the foreground",
         add_help=False,
     )
     p.add_argument("service")
@@ -133,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start a private Redis and every service, check their health, stop them")
     p.add_argument("--config", "-c", help="YAML config file (verl key names)")
     p.add_argument(
-        "--services", default="reward,reference,rollout,learner", help="comma-separated services to start"
+        "--services",
+        default="reward,reference,rollout,learner",
+        help="comma-separated services to start (add control for the control plane)",
     )
     p.add_argument("--hold", action="store_true", help="keep everything running until Ctrl-C")
     p.add_argument("--workdir", help="where logs and Redis data go (default: runs/<run id>)")
@@ -192,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ray", help="run a job on a Ray cluster, every service an actor (up, down)", add_help=False
     )
     p.set_defaults(func=cmd_ray, passthrough=True)
+
+    p = sub.add_parser(
+        "ctl",
+        help="drive a running job through its control plane: status, metrics, pause, hyper-parameters, "
+        "replicas, rewards, queues, audit",
+        add_help=False,
+    )
+    p.set_defaults(func=cmd_ctl, passthrough=True)
 
     p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
     p.set_defaults(func=cmd_protos, passthrough=True)

@@ -1,0 +1,100 @@
+"""The live hyper-parameters an operator may change, their ranges and config keys: one table the
+REST API, the CLI and the automatic responses all validate against. docs/control.md"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hparam:
+    name: str  # the REST field, and the Learner proto's UpdateHyperparamsRequest field
+    proto: str
+    key: str  # the config key it overrides
+    low: float
+    high: float
+    low_open: bool  # True: must be > low; False: >= low
+    what: str
+
+
+HPARAMS: dict[str, Hparam] = {
+    h.name: h
+    for h in (
+        Hparam("actor_lr", "lr", "actor_rollout_ref.actor.optim.lr", 0.0, 1.0, True, "the actor's peak lr"),
+        Hparam("critic_lr", "critic_lr", "critic.optim.lr", 0.0, 1.0, True, "the critic's peak lr"),
+        Hparam(
+            "kl_coef",
+            "kl_coef",
+            "algorithm.kl_ctrl.kl_coef",
+            0.0,
+            10.0,
+            False,
+            "the in-reward KL controller's coefficient",
+        ),
+        Hparam(
+            "kl_loss_coef",
+            "kl_loss_coef",
+            "actor_rollout_ref.actor.kl_loss_coef",
+            0.0,
+            10.0,
+            False,
+            "the KL loss coefficient",
+        ),
+        Hparam(
+            "entropy_coeff",
+            "entropy_coeff",
+            "actor_rollout_ref.actor.entropy_coeff",
+            0.0,
+            1.0,
+            False,
+            "the entropy bonus",
+        ),
+        Hparam(
+            "clip_ratio",
+            "clip_ratio",
+            "actor_rollout_ref.actor.clip_ratio",
+            0.0,
+            1.0,
+            True,
+            "the PPO clip range (both sides)",
+        ),
+        Hparam(
+            "temperature",
+            "temperature",
+            "actor_rollout_ref.rollout.temperature",
+            0.0,
+            2.0,
+            True,
+            "the rollout sampling temperature",
+        ),
+        Hparam("top_p", "top_p", "actor_rollout_ref.rollout.top_p", 0.0, 1.0, True, "the rollout top-p"),
+    )
+}
+BY_PROTO = {h.proto: h for h in HPARAMS.values()}
+BY_KEY = {h.key: h for h in HPARAMS.values()}
+
+
+def range_text(h: Hparam) -> str:
+    return f"{'(' if h.low_open else '['}{h.low:g}, {h.high:g}]"
+
+
+def problems(values: dict[str, object]) -> list[str]:
+    """What is wrong with a requested change, one message per field, each naming it."""
+    out = []
+    for name, value in values.items():
+        h = HPARAMS.get(name)
+        if h is None:
+            out.append(f"{name}: not a live hyper-parameter (known: {', '.join(HPARAMS)})")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            out.append(f"{name}: expected a number, got {value!r}")
+        elif not math.isfinite(value):
+            out.append(f"{name}: {value} is not a finite number")
+        elif value < h.low or value > h.high or (h.low_open and value == h.low):
+            out.append(f"{name}: {value:g} is outside {range_text(h)}")
+    return out
+
+
+def from_proto_values(values: dict[str, float]) -> dict[str, float]:
+    """The learner's answer (proto field names) under the REST names."""
+    return {BY_PROTO[k].name: float(v) for k, v in values.items() if k in BY_PROTO}
