@@ -14,7 +14,7 @@ import grpc
 
 from rlmesh.config.secrets import redact_url
 from rlmesh.runtime.auth import bearer_metadata
-from rlmesh.runtime.health import grpc_health, redis_ping, scrape_metrics
+from rlmesh.runtime.health import grpc_health, http_ok, redis_ping, scrape_metrics
 from rlmesh.runtime.launcher import (
     LaunchError,
     ManagedProcess,
@@ -69,17 +69,21 @@ def probe(instance: ServiceInstance, token: str | None) -> ServiceReport:
     if instance.metrics_port:
         text = scrape_metrics(host, instance.metrics_port)
         metrics = f":{instance.metrics_port}/metrics ({sum(1 for ln in text.splitlines() if ln.startswith('rlmesh_'))} rlmesh series)"
+    if instance.name == "control":  # REST: its /health
+        health = "SERVING" if http_ok(f"http://{instance.grpc_address}/health") else "NOT_SERVING"
+    else:
+        health = grpc_health(instance.grpc_address)
     return ServiceReport(
         name=instance.name,
         pid=instance.process.pid,
         address=instance.grpc_address,
-        health=grpc_health(instance.grpc_address),
+        health=health,
         metrics=metrics,
         info=probe_info(instance.name.split("-", 1)[0], instance.grpc_address, token),
     )
 
 
-STACK_ORDER = ("reward", "reference", "rollout", "learner")
+STACK_ORDER = ("reward", "reference", "rollout", "learner", "control")
 
 
 def free_port_overrides(service: str) -> list[str]:
@@ -117,6 +121,16 @@ class Stack:
         named = [("redis", self.redis.process)] if self.redis is not None else []
         return named + [(s.name, s.process) for s in self.started]
 
+    @property
+    def control(self) -> ServiceInstance | None:
+        return self.get("control")
+
+    @property
+    def control_url(self) -> str | None:
+        """Where the control plane serves (``rlmesh ctl --url``); None when none was started."""
+        control = self.control
+        return f"http://{control.grpc_address}" if control is not None else None
+
     def restart(self, name: str) -> ManagedProcess:
         """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:
         Redis on its port with its data dir (its append-only file brings the run's queues back),
@@ -132,7 +146,7 @@ class Stack:
         old = self.get(name)
         assert old is not None
         keep = []
-        if service in ("reward", "reference"):
+        if service in ("reward", "reference", "control"):  # where the others (and people) reach it
             keep = [f"rlmesh.{service}.port={old.grpc_address.rsplit(':', 1)[1]}"]
         instance = self.launcher.start_service(
             service,
@@ -219,7 +233,19 @@ def start_stack(
             start("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")
     if "learner" in services:
         ranks = cfg.rlmesh.learner.ranks
-        start("learner", "learner", note=f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
+        learner = start("learner", "learner", note=f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
+        if "control" in services and cfg.rlmesh.control.enabled:
+            # On its configured port when one was given (people and scripts dial it), else a free one.
+            given = given_keys(config_path, overrides)
+            port = (
+                [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
+            )
+            control = start(
+                "control", "control", [f"rlmesh.learner.addresses=['{learner.grpc_address}']", *port]
+            )
+            say(
+                f"{'':<12} control plane: http://{control.grpc_address}/docs (rlmesh ctl --url http://{control.grpc_address})"
+            )
     return stack
 
 

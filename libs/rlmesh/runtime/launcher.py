@@ -343,7 +343,8 @@ class ProcessLauncher:
         also_alive: Sequence[ManagedProcess] = (),
     ) -> ServiceInstance:
         """Runs ``rlmesh serve <service>`` and waits for its ready file and gRPC health SERVING
-        (failing fast if it or one of ``also_alive`` exits first)."""
+        (an HTTP service's, the control plane's, ``/health`` answering 200), failing fast if it or
+        one of ``also_alive`` exits first."""
         name = name or service
         ready_file = self.workdir / f"{name}.ready.json"
         ready_file.unlink(missing_ok=True)
@@ -358,6 +359,8 @@ class ProcessLauncher:
             if not ready_file.exists():
                 return False
             proc.info = json.loads(ready_file.read_text())
+            if proc.info.get("protocol") == "http":  # the control plane: REST, its /health
+                return http_ok(f"http://{dial_address(proc.info)}/health", timeout_s=1.0)
             return grpc_health(dial_address(proc.info), timeout_s=1.0) == "SERVING"
 
         self.wait_ready(proc, ready, timeout_s, also_alive)

@@ -34,6 +34,7 @@ def test_help_lists_the_subcommands():
         "demo",
         "sft",
         "export",
+        "ctl",
     ):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), f"{command} missing from --help"
 
@@ -42,7 +43,7 @@ def test_serve_unknown_service_lists_the_known_ones():
     out = rlmesh("serve", "nope")
     assert out.returncode == 2
     assert "unknown service 'nope'" in out.stderr
-    for name in ("learner", "reference", "reward", "rollout"):
+    for name in ("learner", "reference", "reward", "rollout", "control"):
         assert name in out.stderr
 
 

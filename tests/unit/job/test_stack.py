@@ -34,15 +34,31 @@ def stack_of(*overrides: str) -> tuple[list[str], list[str], list[str]]:
 )
 def test_a_colocated_reference_starts_no_reference_service(kl):
     names, said, overrides = stack_of(kl, "rlmesh.reference.colocated=true")
-    assert names == ["reward", "rollout-0", "learner"]
+    assert names == ["reward", "rollout-0", "learner", "control"]
     assert any(line.startswith("reference") and "colocated in the learner" in line for line in said), said
     assert not any(o.startswith("rlmesh.reference.addresses") for o in overrides)
     # Given addresses change nothing: the learner computes the log-probs itself.
     names, _, overrides = stack_of(kl, "rlmesh.reference.colocated=true", "rlmesh.reference.addresses=[h:1]")
-    assert names == ["reward", "rollout-0", "learner"]
+    assert names == ["reward", "rollout-0", "learner", "control"]
 
 
 def test_the_reference_service_is_the_default():
     names, _, overrides = stack_of("algorithm.use_kl_in_reward=true")
-    assert names == ["reward", "reference", "rollout-0", "learner"]
+    assert names == ["reward", "reference", "rollout-0", "learner", "control"]
     assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in overrides
+
+
+def control_overrides(*overrides: str) -> list[str] | None:
+    launcher = RecordingLauncher()
+    start_stack(launcher, None, [REDIS, *overrides], say=lambda line: None)
+    return next((o for service, _, o in launcher.started if service == "control"), None)
+
+
+def test_the_control_plane_starts_last_pointed_at_the_learner():
+    given = control_overrides()
+    assert given is not None
+    assert "rlmesh.learner.addresses=['127.0.0.1:6004']" in given  # the learner, started fourth
+    assert "rlmesh.control.port=0" in given  # a free port unless one was given
+    assert control_overrides("rlmesh.control.enabled=false") is None
+    given = control_overrides("rlmesh.control.port=8123")
+    assert given[-1] == "rlmesh.control.port=8123"  # after the free-port override: it wins
