@@ -407,6 +407,8 @@ class TrainingLoop:
             try:
                 while self.state.step < self.state.total_steps and not self.state.stop_requested:
                     await self._hold_while_paused()
+                    if self.state.stop_requested:  # stopped while paused: no step after the stop
+                        break
                     await self._step()
             except _StoppedWhileWaiting:
                 self.progress(f"stopped while waiting for the batch of step {self.state.step + 1}")
