@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("algo", "config", "data", "models", "weights", "wire"),  # formulas, config, data, formats
     ("queue", "runtime"),  # the run's Redis protocol; the service base, processes, networking
     ("engine", "reference", "reward"),  # the services' cores and their clients
-    ("learner", "rollout"),  # the roles
+    ("control", "learner", "rollout"),  # the roles, and the control plane over them
     ("job",),  # whole jobs: train, demo, up, the stack starter
     ("ray",),  # jobs on a Ray cluster: every service an actor
     ("cli",),  # the rlmesh command
