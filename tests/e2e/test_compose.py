@@ -8,6 +8,7 @@ pending or dead-lettered, and the exported actor is on the volume."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import socket
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+import yaml
 
 from rlmesh.config import load_config
 from rlmesh.data import RLHFDataset
@@ -40,15 +42,21 @@ from tests.support.docker import (
 )
 from tests.support.jobs import audit_groups
 from tests.support.polling import wait_until
-from tests.support.repo import CPU_DEMO
+from tests.support.repo import CPU_DEMO, REPO
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 
 STEPS = 40
 SCALE_UP_AT = 5  # the fourth replica is added once the learner is past this step
 IMAGES = ("rlmesh", "rlmesh-redis", "rlmesh-prometheus")
-# The learner's overrides in docker-compose.yml that decide which prompts each step draws.
-LEARNER_DATA = ["data.train_files=runs/demo/data/train.parquet", "data.val_files=runs/demo/data/test.parquet"]
+
+
+def learner_data_overrides() -> list[str]:
+    """The learner's ``data.*`` overrides in docker-compose.yml (defaults expanded): what decides
+    which prompts each step draws."""
+    command = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["learner"]["command"]
+    expanded = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in command]
+    return [a for a in expanded if a.startswith("data.")]
 
 
 def say(msg: str) -> None:
@@ -159,7 +167,7 @@ def planned_prompts(root: Path, steps: int) -> dict[int, list[int]]:
     """What the learner's seeded cursor draws for each step, from the run's own data copy."""
     overrides = [
         f"actor_rollout_ref.model.path={root / 'demo' / 'model'}",
-        *[o.replace("runs/", f"{root}/", 1) for o in LEARNER_DATA],
+        *[o.replace("=runs/", f"={root}/", 1) for o in learner_data_overrides()],
     ]
     cfg = load_config(str(CPU_DEMO), overrides)
     dataset = RLHFDataset.from_config(cfg.data, load_tokenizer(cfg.tokenizer_path()), split="train")
