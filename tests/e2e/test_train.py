@@ -477,7 +477,7 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path)
     stdout = "".join(seen) + out
     assert proc.returncode == 130, stdout[-3000:] + err[-3000:]
     pids = [int(p) for p in re.findall(r"\(pid (\d+)", stdout)]
-    assert len(pids) == 5  # redis, reward, reference, rollout-0, learner
+    assert len(pids) == 6  # redis, reward, reference, rollout-0, learner, control
     assert not [p for p in pids if pid_alive(p)], "a process outlived rlmesh train's Ctrl-C"
     # The learner wrote its last step on the way out; the same command picks up from there.
     checkpoint = latest_checkpoint(str(run_dir))
