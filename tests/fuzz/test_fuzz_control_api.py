@@ -10,6 +10,8 @@ fixture-based loader does not run under this pytest)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +21,10 @@ from schemathesis.generation.modes import GenerationMode
 from rlmesh.runtime.launcher import ProcessLauncher
 from tests.support.control import AUTH, start_control_stack
 
-EXAMPLES = 300  # over every operation together: about a dozen each, in a few seconds
+# Over every operation together: about a dozen each, in a few seconds, the same draws every run;
+# `make fuzz` (FUZZ_EXAMPLES=1000): about that many per operation, at random.
+_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
+EXAMPLES = _EXAMPLES * 25 or 300
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,13 @@ def test_no_input_makes_the_control_plane_fail(control):
     seen: set[str] = set()
 
     @given(case=cases)
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=not _EXAMPLES,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     def check(case):
         seen.add(f"{case.method} {case.path}")
         response = case.call(base_url=stack.url, headers=AUTH)
