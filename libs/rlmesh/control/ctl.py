@@ -50,7 +50,11 @@ def parse_assignments(items: Sequence[str]) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlmesh ctl", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="rlmesh ctl",
+        description="Drive a running job through its control plane (docs/control.md). The token comes from "
+        "env RLMESH_AUTH_TOKEN or the config, never from the command line.",
+    )
     p.add_argument(
         "--url",
         help=f"the control plane, e.g. http://127.0.0.1:8000 (default: env {ENV_URL}, "
