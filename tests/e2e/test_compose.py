@@ -28,7 +28,7 @@ from rlmesh.data.cursor import PromptCursor
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue.keys import RunKeys
 from rlmesh.runtime.auth import bearer_metadata
-from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc
+from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 from tests.support.docker import (
     BASE_IMAGE,
     Compose,
@@ -107,26 +107,37 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
         dockerd.stop()
 
 
-def learner_call(compose: Compose, method: str):
-    """The learner's ``method`` (GetStatus, Pause, Resume) over gRPC, with the stack's token."""
-    (learner,) = compose.containers("learner")
-    with grpc.insecure_channel(f"{container_ip(learner)}:50054") as channel:
-        return getattr(learner_pb2_grpc.LearnerStub(channel), method)(
-            common_pb2.Empty(), timeout=10, metadata=bearer_metadata(compose.env["RLMESH_AUTH_TOKEN"])
-        )
+def control(compose: Compose, method: str, path: str) -> dict:
+    """The stack's control plane (REST, with its token): how an operator drives the run."""
+    (container,) = compose.containers("control")
+    request = urllib.request.Request(
+        f"http://{container_ip(container)}:8000/api/v1/{path}",
+        method=method,
+        headers={
+            "Authorization": f"Bearer {compose.env['RLMESH_AUTH_TOKEN']}",
+            "X-Rlmesh-User": "compose-test",
+        },
+    )
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.load(r)
 
 
 def learner_step(compose: Compose) -> int:
-    """The learner's step; -1 while it does not answer (starting, or gone)."""
+    """The learner's step, as the control plane reports it; -1 while it cannot (starting, or gone)."""
     try:
-        return learner_call(compose, "GetStatus").step
-    except (grpc.RpcError, ValueError, StopIteration):
+        return control(compose, "GET", "run/status")["step"]
+    except (OSError, ValueError, KeyError):
         return -1
 
 
-def paused(compose: Compose) -> bool:
-    status = learner_call(compose, "GetStatus")
-    return status.paused and status.phase == learner_pb2.LEARNER_PHASE_PAUSED
+def pause(compose: Compose) -> None:
+    control(compose, "POST", "run/pause")
+    wait_until(
+        lambda: (st := control(compose, "GET", "run/status"))["paused"] and st["phase"] == "paused",
+        300,
+        "the learner to pause",
+        every_s=1,
+    )
 
 
 def replica_info(compose: Compose, container: str):
@@ -191,27 +202,28 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
     wait_until(
         lambda: (
             (up := prometheus_up(port)).get("rlmesh-rollout", []).count(1.0) == 3
-            and all(up.get(f"rlmesh-{name}") == [1.0] for name in ("learner", "reward", "reference"))
+            and all(up.get(f"rlmesh-{n}") == [1.0] for n in ("learner", "reward", "reference", "control"))
         ),
         120,
-        "Prometheus to scrape learner, reward, reference and 3 replicas",
+        "Prometheus to scrape learner, reward, reference, control and 3 replicas",
         every_s=2,
     )
 
     # The learner holds between steps while replicas come and go, so that each change lands mid-run
     # however fast this machine trains (at full speed the demo's steps take half a second).
     wait_until(lambda: learner_step(compose) >= SCALE_UP_AT, 900, f"step {SCALE_UP_AT}", every_s=2)
-    learner_call(compose, "Pause")
-    wait_until(lambda: paused(compose), 300, "the learner to pause", every_s=1)
+    pause(compose)
     say("docker-compose up -d --scale rollout=4 (mid-run)")
     compose("up", "-d", "--no-recreate", "--no-deps", "--scale", "rollout=4", "rollout", timeout=300)
     (added,) = set(compose.containers("rollout")) - set(first)
     wait_until(
         lambda: replica_state(compose, added) == "serving", 600, "the added replica to serve", every_s=2
     )
-    learner_call(compose, "Resume")
+    control(compose, "POST", "run/resume")
     wait_until(lambda: tasks_done(compose, added) > 0, 600, "the added replica to take work", every_s=1)
     joined_at = learner_step(compose)
+    listed = control(compose, "GET", "replicas")
+    assert len(listed["replicas"]) == 4, listed
     say(f"the added replica took work by step {joined_at}")
     wait_until(
         lambda: prometheus_up(port).get("rlmesh-rollout", []).count(1.0) == 4,
@@ -220,15 +232,14 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
         every_s=2,
     )
 
-    learner_call(compose, "Pause")
-    wait_until(lambda: paused(compose), 300, "the learner to pause", every_s=1)
+    pause(compose)
     removed = first[0]
     removed_id = replica_info(compose, removed).replica_id
     say(f"docker stop {removed[:12]} (a first replica leaves mid-run)")
     run(["docker", "stop", "-t", "60", removed])
     assert container_state(removed)["ExitCode"] == 0, compose.logs("rollout")[-3000:]
     removed_at = learner_step(compose)
-    learner_call(compose, "Resume")
+    control(compose, "POST", "run/resume")
 
     (learner,) = compose.containers("learner")
     wait_until(lambda: not container_state(learner)["Running"], 1800, "the learner to finish", every_s=3)

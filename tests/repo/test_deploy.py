@@ -11,7 +11,7 @@ from rlmesh.job.demo import build_parser as demo_parser
 from tests.support.repo import REPO
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-SERVED = {"reward", "reference", "rollout", "learner"}
+SERVED = {"reward", "reference", "rollout", "learner", "control"}
 
 
 def expand(arg: str) -> str:
@@ -71,7 +71,7 @@ def test_prometheus_finds_the_replicas_by_dns():
     rollout = [j for j in prom["scrape_configs"] if j.get("dns_sd_configs")]
     assert {sd["names"][0] for j in rollout for sd in j["dns_sd_configs"]} == {"rollout"}
     static = [t for j in prom["scrape_configs"] for sc in j.get("static_configs", []) for t in sc["targets"]]
-    assert {t.split(":")[0] for t in static} == {"learner", "reward", "reference"}
+    assert {t.split(":")[0] for t in static} == {"learner", "reward", "reference", "control"}
     # The rule file Prometheus loads is the one the compose file mounts.
     mounts = dict(
         v.split(":")[:2] for v in COMPOSE["services"]["prometheus"]["volumes"] if v.startswith("./")
@@ -87,7 +87,7 @@ def test_the_gpu_recipe_compose_override_names_valid_configs():
         command = [expand(a) for a in services[name]["command"]]
         cfg = load_config(REPO / command[command.index("-c") + 1], command[command.index("-c") + 2 :])
         assert cfg.rlmesh.redis_url == "redis://redis:6379/0" and getattr(cfg.rlmesh, name).host == "0.0.0.0"
-        assert cfg.actor_rollout_ref.rollout.name == "sglang"
+        assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.rlmesh.run_id == "gsm8k"
     assert services["prepare"]["build"]["args"]["EXTRAS"] == "gpu"
 
 
