@@ -4,11 +4,13 @@ trains every step; ``rlmesh ray down`` stops a run from outside, leaving no proc
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +149,11 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
         before = placed["rollout-0"]
         engine = engine_of(before["pid"])
         pids = [st["pid"] for st in placed.values()] + [engine]
+        # The control plane is an actor too, pointed at the learner wherever Ray put it.
+        plane = status(run_id, "control")
+        pids.append(plane["pid"])
+        with urllib.request.urlopen(f"http://{plane['address']}/api/v1/run/status", timeout=30) as r:
+            assert json.load(r)["run_id"] == run_id
 
         ray.kill(actor(run_id, "rollout-0"), no_restart=False)
         after = restarted_status(run_id, "rollout-0", before["actor_pid"], timeout_s=300)
