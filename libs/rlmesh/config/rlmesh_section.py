@@ -207,6 +207,11 @@ class ControlServiceConfig(ServiceConfig):
     enabled: bool = Field(
         True, description="`rlmesh train` (and the demo) start the control plane; false = not started"
     )
+    prometheus_url: str | None = Field(
+        None,
+        description="the Prometheus that evaluates deploy/alerts.yml for this run (http://host:port): "
+        "GET /api/v1/alerts and the dashboard show its pending and firing alerts; null = none",
+    )
     auto: AutoResponseConfig = Field(
         default_factory=AutoResponseConfig, description="automatic responses to alert conditions"
     )

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.control import fleet
+from rlmesh.control.alerts import prometheus_alerts
 from rlmesh.control.errors import ControlError
 from rlmesh.control.hparams import HPARAMS
 from rlmesh.control.metrics import ControlMetrics, RequestMetricsMiddleware
@@ -394,6 +395,16 @@ def _routes(app: FastAPI) -> None:
             detail=result["stream"],
         )
         return result
+
+    # ----- alerts -----
+    @app.get(f"{API}/alerts", tags=["auto"])
+    async def alerts(request: Request) -> dict[str, Any]:
+        """The pending and firing alerts of the Prometheus that evaluates the run's rules
+        (rlmesh.control.prometheus_url); source "none" when no Prometheus is configured."""
+        url = plane_of(request).cfg.rlmesh.control.prometheus_url
+        if not url:
+            return {"source": "none", "alerts": []}
+        return {"source": url, "alerts": await prometheus_alerts(url)}
 
     # ----- automatic responses -----
     @app.get(f"{API}/auto", tags=["auto"])

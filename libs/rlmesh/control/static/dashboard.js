@@ -256,8 +256,8 @@ function showAudit(entries) {
   }
 }
 
-// What the page can check itself, with deploy/alerts.yml's thresholds: the control API keeps no
-// list of Prometheus' firing alerts (Alertmanager has it), so these are named as the page's own.
+// What the page can check itself, with deploy/alerts.yml's thresholds, beside Prometheus' own
+// alerts (GET /api/v1/alerts, when the plane is given the Prometheus that evaluates the rules).
 function alertsNow() {
   const out = [];
   const steps = [...state.steps.keys()].filter((s) => s > 0).sort((a, b) => a - b);
@@ -286,16 +286,22 @@ function alertsNow() {
 function showAlerts() {
   const list = $("#alerts");
   list.textContent = "";
-  const firing = alertsNow();
-  for (const [name, why] of firing) list.append(el("li", {class: "firing"}, el("b", {}, name), ` ${why}`));
+  const p = state.prometheus || {source: "none", alerts: []};
+  const fromPrometheus = p.alerts.map((a) => [a.name, `${a.state} since ${a.active_at}: ${a.summary}`, a.state]);
+  const firing = [...fromPrometheus, ...alertsNow().map(([name, why]) => [name, why, "firing"])];
+  for (const [name, why, st] of firing) list.append(el("li", {class: st === "firing" ? "firing" : "pending"}, el("b", {}, name), ` ${why}`));
   if (!firing.length) list.append(el("li", {class: "ok"}, "none firing"));
   $("#alerts-card").dataset.firing = String(firing.length);
+  $("#alerts-card").dataset.prometheus = String(fromPrometheus.length);
   const a = state.auto;
   const auto = !a ? "" : a.settings.enabled
     ? `Automatic responses on: ${a.actions_taken} action(s) taken.`
     : "Automatic responses off (rlmesh.control.auto.enabled).";
-  $("#auto").textContent = "Checked in this page from the run's metrics with deploy/alerts.yml's thresholds; "
-    + "Prometheus' own alerts are in Alertmanager. " + auto;
+  const source = p.source === "none"
+    ? "No Prometheus configured (rlmesh.control.prometheus_url): checked in this page from the run's metrics with deploy/alerts.yml's thresholds. "
+    : p.source === "error" ? `Prometheus did not answer (${p.error}); the rest checked in this page. `
+    : `From Prometheus at ${p.source}, and checked in this page from the run's metrics. `;
+  $("#auto").textContent = source + auto;
 }
 
 // ----- polling -----
@@ -331,6 +337,8 @@ async function poll() {
       await Promise.all([pollMetrics(), pollLive()]);
       const [hp, audit, auto] = await Promise.all([api("hyperparams"), api("audit?limit=15"), api("auto")]);
       state.auto = auto;
+      // Prometheus' own alerts when the plane knows it; a Prometheus down is said, not fatal.
+      state.prometheus = await api("alerts").catch((e) => ({source: "error", error: e.message, alerts: []}));
       showHparams(hp);
       showAudit(audit.entries);
       showReplicas();
