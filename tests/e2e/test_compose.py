@@ -211,6 +211,12 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
 
     # The learner holds between steps while replicas come and go, so that each change lands mid-run
     # however fast this machine trains (at full speed the demo's steps take half a second).
+    # The rule file is loaded, and the control plane reads its alerts from that Prometheus.
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=10) as r:
+        groups = {g["name"] for g in json.load(r)["data"]["groups"]}
+    assert {"rlmesh-ppo", "rlmesh-mesh"} <= groups, groups
+    assert control(compose, "GET", "alerts")["source"] == "http://prometheus:9090"
+
     wait_until(lambda: learner_step(compose) >= SCALE_UP_AT, 900, f"step {SCALE_UP_AT}", every_s=2)
     pause(compose)
     say("docker-compose up -d --scale rollout=4 (mid-run)")
