@@ -100,14 +100,16 @@ def status(run_id: str, name: str, timeout_s: float = 60) -> dict[str, Any]:
 
 def restarted_status(run_id: str, name: str, old_actor_pid: int, timeout_s: float) -> dict[str, Any]:
     """The status of ``name``'s next incarnation: a call made while Ray restarts the actor waits for
-    the new constructor (the service healthy again); one that reached the dying worker fails."""
+    the new constructor (the service healthy again); one that reached the dying worker fails, and
+    for a moment the name may not resolve at all (ValueError) while the GCS restarts the actor."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         assert left > 0, f"{name} was not restarted within {timeout_s} s"
         try:
             st = status(run_id, name, timeout_s=left)
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, ValueError):
+            time.sleep(0.2)  # a poll interval, not a synchronisation: the loop has its deadline
             continue
         if st["actor_pid"] != old_actor_pid:
             return st
