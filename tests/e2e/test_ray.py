@@ -29,7 +29,7 @@ except ImportError:  # collected without it, these tests fail loudly when select
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-STEPS = 4
+STEPS = 40
 NAMESPACE = "rlmesh"
 
 
@@ -115,6 +115,16 @@ def restarted_status(run_id: str, name: str, old_actor_pid: int, timeout_s: floa
             return st
 
 
+def learner_call(address: str, method: str) -> Any:
+    """The learner's ``method`` (Pause, Resume) over its gRPC control API."""
+    import grpc
+
+    from rlmesh.v1 import common_pb2, learner_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return getattr(learner_pb2_grpc.LearnerStub(channel), method)(common_pb2.Empty(), timeout=30)
+
+
 def registered_address(redis_url: str, run_id: str, replica_id: str) -> str | None:
     import redis
 
@@ -140,6 +150,9 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
     pids: list[int] = []
     try:
         job.wait_for(rf"^\[ray\] step +1/{STEPS} ", timeout_s=400)
+        # The learner holds between steps while the replica dies and comes back, so that the kill
+        # lands mid-run however fast this machine trains (a step here can take 0.1 s).
+        learner_call(status(run_id, "learner")["address"], "Pause")
         head, node2 = node_with("head"), node_with("node2")
         placed = {name: status(run_id, name) for name in ("redis", "reward", "rollout-0", "learner")}
         assert placed["rollout-0"]["node_id"] == node2
@@ -166,6 +179,7 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
             "rollout-0 to register its new address",
         )
         job.wait_for(r"^\[ray\] rollout-0 is back: ", timeout_s=60)
+        learner_call(placed["learner"]["address"], "Resume")
         assert job.finish(timeout_s=600) == 0, job.tail()
     finally:
         if job.proc.poll() is None:
