@@ -4,11 +4,13 @@ trains every step; ``rlmesh ray down`` stops a run from outside, leaving no proc
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,8 @@ except ImportError:  # collected without it, these tests fail loudly when select
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 STEPS = 40
+# The node's address is the actors' own: never through an HTTP proxy the environment names.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 NAMESPACE = "rlmesh"
 
 
@@ -162,6 +166,11 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
         before = placed["rollout-0"]
         engine = engine_of(before["pid"])
         pids = [st["pid"] for st in placed.values()] + [engine]
+        # The control plane is an actor too, pointed at the learner wherever Ray put it.
+        plane = status(run_id, "control")
+        pids.append(plane["pid"])
+        with DIRECT.open(f"http://{plane['address']}/api/v1/run/status", timeout=30) as r:
+            assert json.load(r)["run_id"] == run_id
 
         ray.kill(actor(run_id, "rollout-0"), no_restart=False)
         after = restarted_status(run_id, "rollout-0", before["actor_pid"], timeout_s=300)
@@ -218,7 +227,7 @@ def test_ray_down_stops_a_running_job_and_everything_it_started(cluster, files, 
             timeout=300,
         )
         assert down.returncode == 0, down.stdout + down.stderr
-        assert "every actor stopped (4)" in down.stdout, down.stdout
+        assert "every actor stopped (5)" in down.stdout, down.stdout  # the control plane too
         assert job.finish(timeout_s=180) == 1, job.tail()
     finally:
         if job.proc.poll() is None:
@@ -234,13 +243,13 @@ def test_sigterm_to_ray_up_stops_every_actor_and_service(cluster, files, tmp_pat
     job = RayJob.start(up_argv(cluster, files, run_dir, run_id, 200))
     try:
         job.wait_for(r"^\[ray\] \d+ actors healthy", timeout_s=400)
-        pids = [status(run_id, n)["pid"] for n in ("redis", "reward", "rollout-0", "learner")]
+        pids = [status(run_id, n)["pid"] for n in ("redis", "reward", "rollout-0", "learner", "control")]
         job.proc.send_signal(signal.SIGTERM)
         assert job.finish(timeout_s=180) == 130, job.tail()
     finally:
         if job.proc.poll() is None:
             job.proc.send_signal(signal.SIGINT)
             job.proc.wait(timeout=120)
-    assert job.count(r"^\[ray\] every actor stopped \(4\)") == 1, job.tail()
+    assert job.count(r"^\[ray\] every actor stopped \(5\)") == 1, job.tail()
     assert not [p for p in pids if pid_alive(p)], "service processes outlived ray up"
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")

@@ -12,9 +12,12 @@ from tests.support.repo import CPU_DEMO
 
 def test_the_cpu_demo_plans_redis_reward_two_replicas_and_a_learner_without_gpus():
     plans = plan_actors(load_config(str(CPU_DEMO)), max_restarts=2)
-    assert [p.name for p in plans] == ["redis", "reward", "rollout-0", "rollout-1", "learner"]
+    assert [p.name for p in plans] == ["redis", "reward", "rollout-0", "rollout-1", "learner", "control"]
     assert all(p.num_gpus == 0 for p in plans)
-    assert [p.max_restarts for p in plans] == [0, 0, 2, 2, 0]
+    assert [p.max_restarts for p in plans] == [0, 0, 2, 2, 0, 0]
+    assert plans[-1].demand() == {}  # the control plane takes no CPU from the services'
+    off = plan_actors(load_config(str(CPU_DEMO), ["rlmesh.control.enabled=false"]))
+    assert "control" not in [p.name for p in off]
     assert plans[2].extra_overrides == ("rlmesh.sampler.replica_id=rollout-0",)
 
 
@@ -30,7 +33,15 @@ def test_gpus_come_from_the_config_on_cuda():
         ],
     )
     gpus = {p.name: p.num_gpus for p in plan_actors(cfg)}
-    assert gpus == {"redis": 0, "reward": 0, "reference": 1, "rollout-0": 2, "rollout-1": 2, "learner": 4}
+    assert gpus == {
+        "redis": 0,
+        "reward": 0,
+        "reference": 1,
+        "rollout-0": 2,
+        "rollout-1": 2,
+        "learner": 4,
+        "control": 0,
+    }
 
 
 def test_given_services_are_not_started_and_flags_override_the_defaults():
@@ -41,7 +52,7 @@ def test_given_services_are_not_started_and_flags_override_the_defaults():
         num_cpus={"learner": 4.0},
         resources=parse_service_values(['rollout={"node2": 1}'], "--resources", "json"),
     )
-    assert [p.name for p in plans] == ["rollout-0", "learner"]
+    assert [p.name for p in plans] == ["rollout-0", "learner", "control"]
     assert plans[0].demand() == {"CPU": 1.0, "node2": 1.0}
     assert plans[1].demand() == {"CPU": 4.0}
 

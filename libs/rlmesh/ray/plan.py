@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from rlmesh.config import RLMeshConfig
 
 NAMESPACE = "rlmesh"  # every actor of every run; a run's actors are named "<run id>/<name>"
-SERVICES = ("redis", "reward", "reference", "rollout", "learner")
+SERVICES = ("redis", "reward", "reference", "rollout", "learner", "control")
 
 
 class PlanError(ValueError):
@@ -83,7 +83,7 @@ def default_gpus(cfg: RLMeshConfig, service: str) -> float:
     return 0.0
 
 
-DEFAULT_CPUS = {"redis": 0.0, "reward": 1.0, "reference": 1.0, "rollout": 1.0, "learner": 1.0}
+DEFAULT_CPUS = {"redis": 0.0, "reward": 1.0, "reference": 1.0, "rollout": 1.0, "learner": 1.0, "control": 0.0}
 
 
 def plan_actors(
@@ -98,8 +98,8 @@ def plan_actors(
     """The actors of a run in start order, as ``rlmesh train`` starts processes: Redis unless
     ``rlmesh.redis_url`` is ``given`` (a key the user set), reward and reference unless their
     addresses are given (no reference when colocated), ``rlmesh.rollout.replicas`` replicas (Ray
-    restarts each up to ``max_restarts`` times), and the learner (never restarted: its exit ends
-    the run)."""
+    restarts each up to ``max_restarts`` times), the learner (never restarted: its exit ends
+    the run), and the control plane (``rlmesh.control.enabled``)."""
     if max_restarts < 0:
         raise PlanError(f"--max-restarts {max_restarts}: must be >= 0")
     num_cpus, num_gpus, resources = num_cpus or {}, num_gpus or {}, resources or {}
@@ -124,6 +124,8 @@ def plan_actors(
         name = f"rollout-{i}"
         plans.append(plan("rollout", name, max_restarts, [f"rlmesh.sampler.replica_id={name}"]))
     plans.append(plan("learner", "learner"))
+    if cfg.rlmesh.control.enabled:
+        plans.append(plan("control", "control"))
     return plans
 
 

@@ -196,8 +196,12 @@ def run_up(opts: UpOptions) -> int:
         for actor in start([p for p in plans if p.service in ("reward", "reference")]):
             overrides.append(f"rlmesh.{actor.plan.service}.addresses=['{actor.status['address']}']")
         start([p for p in plans if p.service in ("rollout", "learner")])
-        say(f"{len(actors)} actors healthy after {time.monotonic() - t0:.0f} s")
         learner = next(a for a in actors if a.plan.service == "learner")
+        overrides.append(f"rlmesh.learner.addresses=['{learner.status['address']}']")
+        for actor in start([p for p in plans if p.service == "control"]):
+            url = f"http://{actor.status['address']}"
+            say(f"control plane: {url}/dashboard/ (rlmesh ctl --url {url})")
+        say(f"{len(actors)} actors healthy after {time.monotonic() - t0:.0f} s")
         follower = Follower(actors, learner, cfg.trainer.total_training_steps or 0, say)
         code, failure = follower.run()
         if failure:
