@@ -55,6 +55,9 @@ def start_control_stack(
         f"trainer.default_local_dir={root / 'run'}",
         "algorithm.adv_estimator=grpo",
         f"rlmesh.reward.addresses=['{NO_REWARD}']",
+        # A test registers a stand-in replica for a moment: a learner that saw it would validate
+        # through it and fail; without validation it only queues step 1's prompts and waits.
+        "trainer.val_before_train=false",
     ]
     learner = launcher.start_service(
         "learner", config_path=CPU_DEMO, overrides=[*common, *free_port_overrides("learner")], timeout_s=300
