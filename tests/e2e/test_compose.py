@@ -41,6 +41,7 @@ from tests.support.docker import (
     run,
 )
 from tests.support.jobs import audit_groups
+from tests.support.monitoring import DIRECT
 from tests.support.polling import wait_until
 from tests.support.repo import CPU_DEMO, REPO
 
@@ -49,8 +50,6 @@ pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 STEPS = 40
 SCALE_UP_AT = 5  # the fourth replica is added once the learner is past this step
 IMAGES = ("rlmesh", "rlmesh-redis", "rlmesh-prometheus")
-# The stack's addresses are this machine's: never through an HTTP proxy the environment names.
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def learner_data_overrides() -> list[str]:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.jobs import Files, Job, audit, engine_of, make_files, overrides
+from tests.support.monitoring import DIRECT
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, pid_alive
 from tests.support.ray_cluster import RayCluster, start_cluster
@@ -32,8 +32,6 @@ except ImportError:  # collected without it, these tests fail loudly when select
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 STEPS = 40
-# The node's address is the actors' own: never through an HTTP proxy the environment names.
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 NAMESPACE = "rlmesh"
 
 

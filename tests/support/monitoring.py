@@ -32,8 +32,9 @@ MONITORING_DOC = REPO / "docs" / "monitoring.md"
 VARIABLES = {"replica": ".*", "__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
 VARIABLE = re.compile(r"\$\{(\w+)\}|\$(__\w+|[A-Za-z]\w*)")
 
-# Straight to the loopback Prometheus, whatever proxy the environment names.
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Straight to addresses of this machine (Prometheus, containers, Ray nodes), whatever proxy the
+# environment names.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 # A comparison with a number, as an alert's threshold is written (`> 0.03`, `== 0`, `< bool 5`).
 THRESHOLD = re.compile(
@@ -180,7 +181,7 @@ class Prometheus:
         while True:
             assert self.proc.poll() is None, f"prometheus exited:\n{self.log_tail()}"
             try:
-                with _LOOPBACK.open(f"{self.url}/-/ready", timeout=2) as resp:
+                with DIRECT.open(f"{self.url}/-/ready", timeout=2) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError):
@@ -190,7 +191,7 @@ class Prometheus:
 
     def targets(self) -> dict[str, str]:
         """Each scrape target (job and address) with its health and last error: why one is down."""
-        with _LOOPBACK.open(f"{self.url}/api/v1/targets", timeout=10) as resp:
+        with DIRECT.open(f"{self.url}/api/v1/targets", timeout=10) as resp:
             active = json.loads(resp.read())["data"]["activeTargets"]
         return {f"{t['labels']['job']} {t['scrapeUrl']}": f"{t['health']} {t['lastError']}" for t in active}
 
@@ -198,7 +199,7 @@ class Prometheus:
         """The result of an instant query now; fails naming the query when Prometheus refuses it."""
         url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         try:
-            with _LOOPBACK.open(url, timeout=10) as resp:
+            with DIRECT.open(url, timeout=10) as resp:
                 body = json.loads(resp.read())
         except urllib.error.HTTPError as e:  # 400 / 422: a query it cannot parse or run
             raise AssertionError(f"prometheus refused {expr!r}: {e.read().decode(errors='replace')}") from e
