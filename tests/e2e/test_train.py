@@ -335,6 +335,22 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
         rows[-1]["val/score"], abs=0.01
     )
 
+    # --- trainer.val_only: validates the resumed policy, trains nothing --------------------------
+    checkpoints = sorted(p.name for p in user.run_dir.glob("global_step_*"))
+    calls_before = len(user.marker.read_text().splitlines())
+    val_only = rlmesh_train(
+        user.config, f"trainer.total_training_steps={MORE_STEPS}", "trainer.val_only=true"
+    )
+    summary_of(val_only)
+    assert progress_steps(val_only) == [], val_only.stdout
+    new_rows = read_rows(user.run_dir)[len(rows) :]
+    assert len(new_rows) == 1 and new_rows[0]["step"] == MORE_STEPS, new_rows
+    assert "actor/pg_loss" not in new_rows[0]
+    assert new_rows[0]["val/score"] == pytest.approx(rows[-1]["val/score"], abs=0.01)  # the same policy
+    assert sorted(p.name for p in user.run_dir.glob("global_step_*")) == checkpoints
+    after = [json.loads(line) for line in user.marker.read_text().splitlines()][calls_before:]
+    assert [(c["extra_info"] or {}).get("split") for c in after] == ["val"] * len(user.val_prompts)
+
 
 def failure_line(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
     """The one ``rlmesh train: ...; its log: PATH`` line on stderr, and PATH."""

@@ -227,6 +227,7 @@ class TrainingLoop:
             [],
             backend=backend,
             master_address=weight_master_address(cfg),
+            master_port=ws.master_port,
             timeout_s=ws.timeout_s,
             control_timeout_s=ws.control_timeout_s,
             bucket_bytes=ws.bucket_size_mb << 20,
@@ -402,8 +403,13 @@ class TrainingLoop:
             await self._wait_for_replicas()
             if not self.state.stop_requested:
                 await self.push_weights()
+                if cfg.trainer.val_only:
+                    # verl validates only when val_before_train is also set; here val_only is enough.
+                    await self._validate(self.state.step, log=True)
+                    self.progress(f"trainer.val_only: validated the policy of step {self.state.step}, no training")
+                    return
                 if cfg.trainer.val_before_train and self.val_set is not None and self.state.step == 0:
-                    await self._validate(0)
+                    await self._validate(0, log=True)
             try:
                 while self.state.step < self.state.total_steps and not self.state.stop_requested:
                     await self._hold_while_paused()
@@ -601,7 +607,8 @@ class TrainingLoop:
         with self.groups_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    async def _validate(self, step: int) -> dict[str, float]:
+    async def _validate(self, step: int, log: bool = False) -> dict[str, float]:
+        """Validation metrics; ``log``: to the sinks now (outside a step; a step logs its own)."""
         assert self.val_set is not None
         prev, self.state.phase = self.state.phase, "VALIDATING"
         live = await self._live_engines()
@@ -616,8 +623,8 @@ class TrainingLoop:
             token=self.cfg.rlmesh.auth_token,
         )
         self.state.phase = prev
-        if step == 0:
-            await self._log_metrics(0, metrics)
+        if log:
+            await self._log_metrics(step, metrics)
         self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}")
         return metrics
 

@@ -175,7 +175,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one PPO step
 
     def train_step(
-        self, batch: PPOBatch, kl_ctrl: KLController | None = None, *, update_actor: bool = True
+        self, batch: PPOBatch, kl_ctrl: KLController | None = None, *, update_actor: bool | None = None
     ) -> dict[str, float]:
         """One PPO step on a collected batch (the steps of verl's ``fit`` after the reward).
 
@@ -193,7 +193,9 @@ class PPOTrainer:
             batch: from :func:`rlmesh.learner.build_batch`, identical on every rank.
             kl_ctrl: the KL-in-reward controller (updated in place, as verl does); default the
                 trainer's own ``kl_ctrl``.
-            update_actor: False during ``trainer.critic_warmup`` (only the critic trains).
+            update_actor: train the actor this step; default verl's ``trainer.critic_warmup`` rule
+                (the actor trains at step ``s`` = global_steps + 1 iff ``critic_warmup <= s``;
+                before that only the critic trains and ``training/actor_updated`` is 0).
 
         Raises:
             BatchError: a non-finite score, a token id outside the vocabulary, or no reference
@@ -201,6 +203,8 @@ class PPOTrainer:
                 trained then.
         """
         self._check_batch(batch)
+        if update_actor is None:
+            update_actor = self.config.trainer.critic_warmup <= self.global_steps + 1
         kl_ctrl = self.kl_ctrl if kl_ctrl is None else kl_ctrl
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
@@ -271,6 +275,7 @@ class PPOTrainer:
         )
         metrics.update(timing)
         metrics["training/skipped_steps"] = float(self.skipped_steps)
+        metrics["training/actor_updated"] = float(update_actor)
         self.global_steps += 1
         return metrics
 

@@ -72,6 +72,7 @@ async def build_group(
     *,
     backend: str,
     master_address: str,
+    master_port: int = 0,
     timeout_s: float,
     control_timeout_s: float,
     load_format: str | None,
@@ -80,7 +81,7 @@ async def build_group(
     engine that fails is marked unhealthy and listed in ``failed``."""
     link.group_name = group_name
     # The store listens on every interface; master_address may not be one of ours (NAT).
-    port = free_port(WILDCARD_IPV4)
+    port = free_port(WILDCARD_IPV4, first=master_port)
     world = 1 + link.ranks
     own = run_in_daemon_thread(
         functools.partial(init_custom_process_group, gloo_interface=gloo_interface_toward(master_address)),

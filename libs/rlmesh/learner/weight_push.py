@@ -92,6 +92,7 @@ class WeightPusher:
         *,
         backend: str = "gloo",
         master_address: str = "127.0.0.1",
+        master_port: int = 0,
         timeout_s: float = 300.0,
         control_timeout_s: float = 30.0,
         bucket_bytes: int = 256 << 20,
@@ -99,7 +100,8 @@ class WeightPusher:
         load_format: str | None = FLATTENED_BUCKET,
         verify_tensors: int = 0,
     ) -> None:
-        """``verify_tensors``: after each push, that many of the pushed tensors (spread over the
+        """``master_port``: each engine's group rendezvous takes the lowest free port from it
+        up (0: any free port). ``verify_tensors``: after each push, that many of the pushed tensors (spread over the
         model) are compared with what every engine holds (``/get_weights_by_name``, their first
         ``VERIFY_ROWS`` rows); an engine that differs counts as failed. 0: no check."""
         if load_format not in LOAD_FORMATS:
@@ -109,6 +111,7 @@ class WeightPusher:
         self.links = [EngineLink(client=e) for e in engines]
         self.backend = backend
         self.master_address = master_address
+        self.master_port = master_port
         self.timeout_s = timeout_s
         # Pause, continue, version and flush answer in well under a second; an engine that takes
         # this long is cut off or wedged, and waiting the push's whole timeout for it would stall
@@ -232,6 +235,7 @@ class WeightPusher:
             failed,
             backend=self.backend,
             master_address=self.master_address,
+            master_port=self.master_port,
             timeout_s=self.timeout_s,
             control_timeout_s=self.control_timeout_s,
             load_format=self.load_format,

@@ -22,12 +22,19 @@ _SIOCGIFADDR = 0x8915
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(\d{1,5}))?$")
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` now (another process may still take it before it is bound)."""
+def free_port(host: str = LOOPBACK, first: int = 0) -> int:
+    """A TCP port free on ``host`` now (another process may still take it before it is bound):
+    the OS's pick, or with ``first`` > 0 the lowest free one from ``first`` up (for a firewall
+    that opens a range)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]"), 0))
-        return int(s.getsockname()[1])
+    for port in range(first, 65536) if first > 0 else (0,):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host.strip("[]"), port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free TCP port on {host} from {first} to 65535")
 
 
 def is_wildcard(host: str) -> bool:

@@ -156,3 +156,30 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_the_old_ones(tiny_model_dir)
         trainer.train_step(build_batch(missing, PAD))
     after = module_state(trainer.actor.engine)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_critic_warmup_trains_only_the_critic_until_its_step(tiny_model_dir):
+    # verl's rule: the actor trains at step s iff trainer.critic_warmup <= s; 3 -> steps 1, 2 critic only.
+    cfg = make_config(
+        tiny_model_dir,
+        "trainer.critic_warmup=3",
+        estimator="gae",
+    )
+    trainer = PPOTrainer(cfg, total_training_steps=10)
+    for step in (1, 2, 3):
+        actor_before = module_state(trainer.actor.engine)
+        critic_before = module_state(trainer.critic.engine)
+        scheduled_before = trainer.actor.scheduler.last_epoch
+        metrics = trainer.train_step(build_batch(make_trajectories(seed=10 + step), PAD))
+        actor_moved = any(
+            not torch.equal(actor_before[n], w) for n, w in module_state(trainer.actor.engine).items()
+        )
+        critic_moved = any(
+            not torch.equal(critic_before[n], w) for n, w in module_state(trainer.critic.engine).items()
+        )
+        assert critic_moved and "critic/vf_loss" in metrics
+        assert actor_moved == (step >= 3), step
+        assert ("actor/pg_loss" in metrics) == (step >= 3)
+        assert metrics["training/actor_updated"] == float(step >= 3)
+        # The actor's lr schedule does not advance while it does not train.
+        assert trainer.actor.scheduler.last_epoch - scheduled_before == (step >= 3)
