@@ -1,5 +1,20 @@
-"""Where step metrics go: a JSONL file, the console, Prometheus, and wandb / mlflow when they are
-installed and named in ``trainer.logger`` (verl's names and the same key per step)."""
+"""Where step metrics go: a JSONL file, the console, Prometheus, and the experiment trackers named
+in ``trainer.logger`` (verl's names: ``wandb``, ``mlflow``, ``tensorboard``) when they are installed
+(``pip install 'rlmesh[trackers]'``); the same keys per step as verl.
+
+Validation generations (``trainer.log_val_generations``) go to the same places: the console, a
+``val_generations.jsonl`` next to ``metrics.jsonl``, a cumulative wandb table, an mlflow JSON
+artifact per step and a tensorboard text summary.
+
+Where the trackers write, when the environment does not say otherwise:
+
+- wandb: offline, under the run directory, when ``WANDB_MODE`` is unset and no credentials are
+  found (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or a ``wandb login`` in ~/.netrc):
+  a run never stops at a login prompt, and ``wandb sync`` uploads it later. ``WANDB_MODE`` and
+  ``WANDB_DIR`` are wandb's own and win.
+- mlflow: ``MLFLOW_TRACKING_URI``, else a file store at ``<run dir>/mlruns``.
+- tensorboard: ``TENSORBOARD_DIR`` (verl's variable), else ``<run dir>/tensorboard``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +22,20 @@ import importlib.util
 import json
 import logging
 import math
+import netrc
+import os
+import posixpath
+import re
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, Gauge
+
+from rlmesh.config.secrets import SECRET_KEYS, redact_url
+from rlmesh.learner.validation import ValGeneration
 
 log = logging.getLogger("rlmesh.learner")
 
@@ -32,9 +56,162 @@ CONSOLE_KEYS = (
 # timeline (``make bench`` reads them from metrics.jsonl), meaningless as a plotted series.
 JSONL_ONLY_PREFIXES = ("timing_start/",)
 
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
+VAL_GENERATIONS_KEY = "val/generations"  # verl's wandb / tensorboard key
+
+# Config leaves whose values are secrets wherever they sit (rlmesh.auth_token is in SECRET_KEYS).
+_SECRET_LEAVES = ("auth_token", "access_token", "api_token", "password", "passwd", "secret", "api_key")
+
+# mlflow's limits (mlflow.utils.validation): names of letters, digits, ``_ - . / space``, at most
+# 250 characters; a parameter value at most 6000; 100 parameters and 1000 metrics per batch.
+_MLFLOW_NAME_MAX = 250
+_MLFLOW_PARAM_MAX = 6000
+_MLFLOW_PARAMS_PER_BATCH = 100
+_MLFLOW_METRICS_PER_BATCH = 1000
+_MLFLOW_BAD_CHARS = re.compile(r"[^\w.\- /]")
+
+# A console line shows this much of a validation prompt and response.
+_CONSOLE_TEXT = 160
+
 
 def _prom_name(key: str) -> str:
     return "rlmesh_learner_" + "".join(c if c.isalnum() else "_" for c in key)
+
+
+def _walk(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        for key, sub in value.items():
+            yield from _walk(sub, f"{path}.{key}" if path else str(key))
+    else:
+        yield path, value
+
+
+def _is_secret_key(path: str) -> bool:
+    return path in SECRET_KEYS or path.rsplit(".", 1)[-1].lower().endswith(_SECRET_LEAVES)
+
+
+def _redact(value: Any, path: str = "") -> Any:
+    if _is_secret_key(path) and value not in (None, ""):
+        return "***"
+    if isinstance(value, dict):
+        return {k: _redact(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact(v, path) for v in value]
+    if isinstance(value, str):
+        return redact_url(value)
+    return value
+
+
+def public_config(config: dict[str, Any] | None) -> dict[str, Any]:
+    """The run config as a tracker may keep it: secrets (``rlmesh.auth_token``, any ``*password``,
+    ``*api_key``... leaf) replaced by ``***`` and URL passwords masked."""
+    return _redact(dict(config or {}))
+
+
+def mlflow_name(key: str) -> str:
+    """``key`` as a name mlflow accepts: ``@`` spelled ``_at_`` (verl's choice), other characters
+    outside letters, digits and ``_ - . / space`` as ``_``, no empty path part nor one that
+    starts with a dot (mlflow refuses names that a file path would resolve to another)."""
+    name = _MLFLOW_BAD_CHARS.sub("_", key.replace("@", "_at_"))
+    parts = ["_" + p[1:] if p.startswith(".") else p for p in name.split("/") if p]
+    name = "/".join(parts)[:_MLFLOW_NAME_MAX].rstrip("/") or "_"
+    return name if posixpath.normpath(name) == name else name.replace("/", "_")
+
+
+def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
+    """The config flattened as verl does (``trainer/logger``), each value a string within mlflow's
+    length limit (lists as JSON)."""
+    params: dict[str, str] = {}
+    for path, value in _walk(public_config(config)):
+        text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+        if len(text) > _MLFLOW_PARAM_MAX:
+            text = text[: _MLFLOW_PARAM_MAX - 3] + "..."
+        params[mlflow_name(path.replace(".", "/"))] = text
+    return params
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def wandb_mode() -> str | None:
+    """``offline`` when the environment neither picks a mode (``WANDB_MODE``) nor holds
+    credentials; None (wandb's choice) otherwise."""
+    if os.environ.get("WANDB_MODE"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class _Tensorboard:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_generations(self, step: int, samples: Sequence[ValGeneration]) -> None:
+        parts = [f"**Validation generations, step {step}**\n"]
+        for i, s in enumerate(samples, start=1):
+            parts.append(
+                f"### Sample {i}\n\n**Input:** {s.input}\n\n**Output:** {s.output}\n\n"
+                f"**Score:** {s.score}\n\n**Ground truth:** {s.ground_truth}\n\n---\n"
+            )
+        self.writer.add_text(VAL_GENERATIONS_KEY, "\n".join(parts), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Mlflow:
+    """A run in an mlflow tracking store through ``MlflowClient``: nothing global (no active run,
+    no process-wide tracking URI) is set, so other mlflow use in the process is left alone."""
+
+    def __init__(self, uri: str, project: str, experiment: str, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        if urlparse(uri).scheme in ("", "file"):
+            # mlflow 3 keeps its file store only when asked to (it is in maintenance mode).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(project)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(project)
+        self.run_id = self.client.create_run(experiment_id, run_name=experiment).info.run_id
+        params = [Param(k, v) for k, v in mlflow_params(config).items()]
+        for i in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + _MLFLOW_PARAMS_PER_BATCH])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_name(k), v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), _MLFLOW_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + _MLFLOW_METRICS_PER_BATCH])
+
+    def log_generations(self, step: int, samples: Sequence[ValGeneration]) -> None:
+        rows = [{**s.row(), "score": _finite(s.score)} for s in samples]
+        self.client.log_text(self.run_id, json.dumps(rows, indent=1), f"val_generations/step_{step}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 class MetricsSinks:
@@ -47,29 +224,57 @@ class MetricsSinks:
         project: str,
         experiment: str,
         config: dict[str, Any] | None = None,
+        run_dir: Path | None = None,
     ) -> None:
+        """``config``: the resolved run config (``cfg.model_dump(mode="json")``), given to wandb
+        and mlflow with its secrets masked. ``run_dir``: where trackers write by default (the
+        directory of ``jsonl_path`` when not given)."""
         self.jsonl_path = jsonl_path
         self.registry = registry
         self.console = "console" in loggers
         self._gauges: dict[str, Gauge] = {}
-        self._wandb = self._mlflow = None
+        self._wandb: Any = None
+        self._wandb_rows: list[list[Any]] = []
+        self._wandb_columns: list[str] = []
+        self._mlflow: _Mlflow | None = None
+        self._tensorboard: _Tensorboard | None = None
+        if run_dir is None:
+            run_dir = jsonl_path.parent if jsonl_path is not None else Path(".")
         if jsonl_path is not None:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        if "wandb" in loggers:
-            if importlib.util.find_spec("wandb") is None:
-                log.warning("trainer.logger names wandb but it is not installed; skipping it")
-            else:
-                import wandb
+        tracked = public_config(config)
+        if "wandb" in loggers and self._installed("wandb"):
+            import wandb
 
-                self._wandb = wandb.init(project=project, name=experiment, config=config or {})
-        if "mlflow" in loggers:
-            if importlib.util.find_spec("mlflow") is None:
-                log.warning("trainer.logger names mlflow but it is not installed; skipping it")
-            else:
-                import mlflow
+            mode = wandb_mode()
+            kwargs: dict[str, Any] = {"mode": mode} if mode else {}
+            if not os.environ.get("WANDB_DIR"):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                kwargs["dir"] = str(run_dir)
+            if mode == "offline":
+                log.warning(
+                    "wandb: no WANDB_API_KEY or wandb login and no WANDB_MODE: logging offline "
+                    "under %s (wandb sync uploads it later)",
+                    kwargs.get("dir") or os.environ.get("WANDB_DIR"),
+                )
+            self._wandb = wandb.init(project=project, name=experiment, config=tracked, **kwargs)
+        if "mlflow" in loggers and self._installed("mlflow"):
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+            self._mlflow = _Mlflow(uri, project, experiment, tracked)
+        if "tensorboard" in loggers and self._installed("tensorboard"):
+            tb_dir = os.environ.get("TENSORBOARD_DIR")
+            self._tensorboard = _Tensorboard(Path(tb_dir) if tb_dir else run_dir / "tensorboard")
 
-                mlflow.set_experiment(project)
-                self._mlflow = mlflow.start_run(run_name=experiment)
+    @staticmethod
+    def _installed(name: str) -> bool:
+        if importlib.util.find_spec(name) is None:
+            log.warning(
+                "trainer.logger names %s but it is not installed (pip install 'rlmesh[trackers]'); "
+                "skipping it",
+                name,
+            )
+            return False
+        return True
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {
@@ -93,14 +298,62 @@ class MetricsSinks:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
         if self._mlflow is not None:
-            import mlflow
+            self._mlflow.log(step, clean)
+        if self._tensorboard is not None:
+            self._tensorboard.log(step, clean)
 
-            mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in clean.items()}, step=step)
+    def log_generations(self, step: int, samples: Sequence[ValGeneration]) -> None:
+        """The validation samples chosen to log (``validation.select_generations``) to every
+        sink; nothing when there are none."""
+        if not samples:
+            return
+        if self.jsonl_path is not None:
+            rows = [{**s.row(), "score": _finite(s.score)} for s in samples]
+            with (self.jsonl_path.parent / VAL_GENERATIONS_FILE).open("a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "samples": rows}) + "\n")
+        if self.console:
+            print(f"[learner] validation generations after step {step}:", flush=True)
+            for i, s in enumerate(samples, start=1):
+                print(
+                    f"  {i}. score {s.score:.4g}  input {_short(s.input)}  output {_short(s.output)}",
+                    flush=True,
+                )
+        if self._wandb is not None:
+            self._log_wandb_table(step, samples)
+        if self._mlflow is not None:
+            self._mlflow.log_generations(step, samples)
+        if self._tensorboard is not None:
+            self._tensorboard.log_generations(step, samples)
+
+    def _log_wandb_table(self, step: int, samples: Sequence[ValGeneration]) -> None:
+        """verl's table: a row per validation, ``step`` then ``input_i, output_i, score_i`` for
+        each sample, every earlier row logged again (a wandb table is immutable once logged)."""
+        import wandb
+
+        if not self._wandb_columns:
+            self._wandb_columns = ["step"] + [
+                f"{name}_{i}" for i in range(1, len(samples) + 1) for name in ("input", "output", "score")
+            ]
+        row: list[Any] = [step]
+        for s in samples:
+            row += [s.input, s.output, s.score]
+        width = len(self._wandb_columns)
+        self._wandb_rows.append((row + [None] * width)[:width])
+        table = wandb.Table(columns=self._wandb_columns, data=self._wandb_rows)
+        self._wandb.log({VAL_GENERATIONS_KEY: table}, step=step)
 
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
         if self._mlflow is not None:
-            import mlflow
+            self._mlflow.close()
+            self._mlflow = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
-            mlflow.end_run()
+
+def _short(text: str) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= _CONSOLE_TEXT else flat[: _CONSOLE_TEXT - 3] + "...")

@@ -1,6 +1,7 @@
 """Validation: generate for ``data.val_files`` through the rollout replicas (``Rollout.Generate``,
 greedy by default from ``rollout.val_kwargs``), score with the reward service, report
-``val/score`` overall and per data source."""
+``val/score`` overall and per data source, and keep every (prompt, response, score) so the learner
+can log the first ``trainer.log_val_generations`` of them (:func:`select_generations`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from rlmesh.data import PromptItem
 from rlmesh.runtime.auth import client_auth_interceptors
@@ -34,6 +37,49 @@ def val_sampling(val_kwargs: Any, max_new_tokens: int) -> common_pb2.SamplingPar
     return params
 
 
+@dataclass(frozen=True)
+class ValGeneration:
+    """One validation sample: the prompt as the model saw it, what it answered, and its score."""
+
+    input: str
+    output: str
+    score: float
+    ground_truth: str
+    data_source: str
+    index: int  # the prompt's index in the validation set
+    sample_index: int  # which of the prompt's val_kwargs.n samples
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "input": self.input,
+            "output": self.output,
+            "score": self.score,
+            "ground_truth": self.ground_truth,
+            "data_source": self.data_source,
+            "index": self.index,
+            "sample_index": self.sample_index,
+        }
+
+
+@dataclass
+class ValidationResult:
+    metrics: dict[str, float]
+    samples: list[ValGeneration] = field(default_factory=list)  # in validation-set order
+
+
+def select_generations(samples: Sequence[ValGeneration], count: int) -> list[ValGeneration]:
+    """The ``count`` samples a validation logs, chosen as verl's ``_maybe_log_val_generations``
+    does: sorted by input text, shuffled with a fixed seed (42), the first ``count`` kept. The
+    same validation set gives the same prompts at every validation, so their answers can be
+    compared across steps. Ties (one prompt's samples) are broken by prompt and sample index, so
+    the choice does not depend on the order the replicas answered in."""
+    if count <= 0:
+        return []
+    chosen = sorted(samples, key=lambda s: (s.input, s.index, s.sample_index))
+    np.random.RandomState(42).shuffle(chosen)
+    return chosen[:count]
+
+
 async def validate(
     items: Sequence[PromptItem],
     *,
@@ -45,12 +91,38 @@ async def validate(
     token: str | None = None,
     timeout_s: float = 600.0,
 ) -> dict[str, float]:
+    """:func:`run_validation`'s metrics alone."""
+    result = await run_validation(
+        items,
+        replicas=replicas,
+        score=score,
+        decode=decode,
+        sampling=sampling,
+        batch_size=batch_size,
+        token=token,
+        timeout_s=timeout_s,
+    )
+    return result.metrics
+
+
+async def run_validation(
+    items: Sequence[PromptItem],
+    *,
+    replicas: Sequence[str],
+    score: Callable[[list[reward_pb2.RewardSample]], Any],
+    decode: Callable[[list[int]], str],
+    sampling: common_pb2.SamplingParams,
+    batch_size: int = 64,
+    token: str | None = None,
+    timeout_s: float = 600.0,
+) -> ValidationResult:
     if not replicas:
         raise RuntimeError("validation needs at least one live rollout replica")
     channels = [grpc.aio.insecure_channel(a, interceptors=client_auth_interceptors(token)) for a in replicas]
     stubs = itertools.cycle([rollout_pb2_grpc.RolloutStub(c) for c in channels])
     scores: dict[str, list[float]] = defaultdict(list)
     lengths: list[int] = []
+    generations: list[ValGeneration] = []
 
     async def run_chunk(chunk: Sequence[PromptItem], stub: rollout_pb2_grpc.RolloutStub) -> None:
         reply = await stub.Generate(
@@ -65,9 +137,11 @@ async def validate(
         )
         by_index = {str(it.index): it for it in chunk}
         samples = []
+        origins = []
         for out in reply.outputs:
             item = by_index[out.uid]
             lengths.append(len(out.output_ids))
+            origins.append((item.index, out.sample_index))
             samples.append(
                 reward_pb2.RewardSample(
                     uid=f"val-{out.uid}-{out.sample_index}",
@@ -82,9 +156,20 @@ async def validate(
                 )
             )
         results = await score(samples)
-        for sample, result in zip(samples, results, strict=True):
+        for sample, origin, result in zip(samples, origins, results, strict=True):
             value = 0.0 if result.HasField("error") and result.error.code else result.score
             scores[sample.data_source].append(value)
+            generations.append(
+                ValGeneration(
+                    input=sample.prompt_text,
+                    output=sample.response_text,
+                    score=float(value),
+                    ground_truth=sample.ground_truth,
+                    data_source=sample.data_source,
+                    index=origin[0],
+                    sample_index=origin[1],
+                )
+            )
 
     try:
         chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
@@ -99,4 +184,6 @@ async def validate(
     }
     for source, values in scores.items():
         metrics[f"val/score/{source}"] = sum(values) / len(values)
-    return metrics
+    # Chunks finish in any order: the samples in the validation set's.
+    generations.sort(key=lambda g: (g.index, g.sample_index))
+    return ValidationResult(metrics, generations)

@@ -1,0 +1,131 @@
+"""Validation against a real gRPC rollout server (a fake engine that echoes the prompt and the
+sample index) keeps every sample, and ``trainer.log_val_generations`` of them reach the JSONL
+sink: exactly N, and none for 0."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from rlmesh.config import load_config
+from rlmesh.learner.sinks import VAL_GENERATIONS_FILE, MetricsSinks
+from rlmesh.learner.validation import run_validation, select_generations, val_sampling, validate
+from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
+from tests.support.data import prompt_items
+
+
+class EchoRollout(rollout_pb2_grpc.RolloutServicer):
+    """Answers each prompt with its own tokens then the sample index."""
+
+    async def Generate(self, request, context):
+        return rollout_pb2.GenerateResponse(
+            outputs=[
+                rollout_pb2.GenerateOutput(uid=i.uid, sample_index=k, output_ids=[*i.prompt_ids, k])
+                for i in request.inputs
+                for k in range(request.sampling_params.n)
+            ]
+        )
+
+
+@pytest.fixture
+async def replica():
+    server = grpc.aio.server()
+    rollout_pb2_grpc.add_RolloutServicer_to_server(EchoRollout(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+async def score(samples):
+    """1 when the response's last token is the sample index 1, else 0; prompt 3 fails to score."""
+    return [
+        reward_pb2.RewardResult(
+            uid=s.uid,
+            score=float(s.response_ids[-1] == 1),
+            error=common_pb2.SampleError(code=1, message="boom") if s.prompt_text == "p3" else None,
+        )
+        for s in samples
+    ]
+
+
+def decode(ids):
+    return " ".join(str(i) for i in ids)
+
+
+def config(*overrides):
+    return load_config(None, ["actor_rollout_ref.rollout.val_kwargs.n=2", *overrides])
+
+
+async def validation(replica, cfg, count=10):
+    rollout = cfg.actor_rollout_ref.rollout
+    return await run_validation(
+        prompt_items(count),
+        replicas=[replica],
+        score=score,
+        decode=decode,
+        sampling=val_sampling(rollout.val_kwargs, 4),
+        batch_size=3,  # several chunks, answered in any order
+    )
+
+
+async def test_a_validation_keeps_every_sample_with_its_prompt_answer_score_and_truth(replica):
+    result = await validation(replica, config())
+    samples = result.samples
+    assert [(s.index, s.sample_index) for s in samples] == [(i, k) for i in range(10) for k in range(2)]
+    for s in samples:
+        assert s.input == f"p{s.index}" and s.ground_truth == str(s.index)
+        assert s.output == f"{s.index + 1} {s.sample_index}" and s.data_source == "arithmetic"
+        assert s.score == (0.0 if s.index == 3 else float(s.sample_index == 1))
+    assert result.metrics["val/score"] == pytest.approx(sum(s.score for s in samples) / 20)
+    assert result.metrics["val/score/arithmetic"] == result.metrics["val/score"]
+    # The metrics-only entry point the learner used before still answers the same.
+    assert await validate(
+        prompt_items(10),
+        replicas=[replica],
+        score=score,
+        decode=decode,
+        sampling=val_sampling(config().actor_rollout_ref.rollout.val_kwargs, 4),
+    ) == pytest.approx(result.metrics)
+
+
+async def test_log_val_generations_writes_exactly_that_many_samples_to_the_jsonl_sink(replica, tmp_path):
+    cfg = config("trainer.log_val_generations=3")
+    sinks = MetricsSinks(
+        ["console"], jsonl_path=tmp_path / "metrics.jsonl", registry=None, project="p", experiment="e"
+    )
+    for step in (0, 5):
+        result = await validation(replica, cfg)
+        sinks.log_generations(step, select_generations(result.samples, cfg.trainer.log_val_generations))
+    sinks.close()
+    rows = [json.loads(line) for line in (tmp_path / VAL_GENERATIONS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 5]
+    assert all(len(r["samples"]) == 3 for r in rows)
+    # The same samples at every validation, each as validated.
+    assert rows[0]["samples"] == rows[1]["samples"]
+    for s in rows[0]["samples"]:
+        assert s["input"] == f"p{s['index']}" and s["output"] == f"{s['index'] + 1} {s['sample_index']}"
+        assert s["ground_truth"] == str(s["index"])
+    assert len({(s["index"], s["sample_index"]) for s in rows[0]["samples"]}) == 3
+    assert not (tmp_path / "metrics.jsonl").exists()  # generations are not step metrics
+
+
+async def test_log_val_generations_0_writes_none(replica, tmp_path, capsys):
+    cfg = config()
+    assert cfg.trainer.log_val_generations == 0  # verl's default
+    sinks = MetricsSinks(
+        ["console"], jsonl_path=tmp_path / "metrics.jsonl", registry=None, project="p", experiment="e"
+    )
+    result = await validation(replica, cfg)
+    sinks.log_generations(1, select_generations(result.samples, cfg.trainer.log_val_generations))
+    sinks.close()
+    assert not (tmp_path / VAL_GENERATIONS_FILE).exists()
+    assert "validation generations" not in capsys.readouterr().out
+
+
+async def test_more_generations_asked_than_validated_logs_them_all(replica, tmp_path):
+    result = await validation(replica, config(), count=2)
+    chosen = select_generations(result.samples, 50)
+    assert sorted((s.index, s.sample_index) for s in chosen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
