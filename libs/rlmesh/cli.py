@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from types import FrameType
@@ -218,6 +219,20 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _plain_config_warnings() -> None:
+    """A config warning is for the user, not a traceback: ``rlmesh: warning: ...`` on stderr."""
+    from rlmesh.config import ConfigWarning
+
+    default = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):  # type: ignore[no-untyped-def]
+        if issubclass(category, ConfigWarning):
+            return f"rlmesh: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -230,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored:
         # Ctrl-C (or a SIGINT from a supervisor) must stop what these commands started all the same.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _plain_config_warnings()
     try:
         return int(args.func(args, rest) or 0)
     except KeyboardInterrupt:

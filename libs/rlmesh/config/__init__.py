@@ -14,7 +14,14 @@ from rlmesh.config.actor_rollout_ref import (
 from rlmesh.config.base import COMPAT_DESCRIPTION, ConfigWarning
 from rlmesh.config.errors import ConfigError
 from rlmesh.config.keys import ConfigKey, config_keys, keys_markdown_table
-from rlmesh.config.loader import ENV_AUTH_TOKEN, config_from_dict, dump_yaml, given_keys, load_config
+from rlmesh.config.loader import (
+    ENV_AUTH_TOKEN,
+    config_from_dict,
+    dump_yaml,
+    given_keys,
+    ignored_keys,
+    load_config,
+)
 from rlmesh.config.optim import DeepSpeedConfig, EngineSettings, FsdpConfig, OptimConfig
 from rlmesh.config.rlmesh_section import (
     SERVICE_PORTS,
@@ -72,6 +79,7 @@ __all__ = [
     "config_keys",
     "dump_yaml",
     "given_keys",
+    "ignored_keys",
     "keys_markdown_table",
     "load_config",
 ]

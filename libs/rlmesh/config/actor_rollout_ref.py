@@ -9,13 +9,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from rlmesh.config.base import (
-    STRATEGY_DESCRIPTION,
     DType,
     KLPenalty,
     LossAggMode,
     Section,
     Strategy,
     compat,
+    strategy_field,
 )
 from rlmesh.config.optim import (
     DeepSpeedConfig,
@@ -83,7 +83,7 @@ class PolicyLossConfig(Section):
 class ActorConfig(Section):
     """PPO actor training (verl actor/actor.yaml + actor/dp_actor.yaml)."""
 
-    strategy: Strategy = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    strategy: Strategy = strategy_field()
     ppo_mini_batch_size: int = Field(
         256, gt=0, description="prompts per PPO mini-batch (one optimizer step); times rollout.n samples"
     )
@@ -120,7 +120,12 @@ class ActorConfig(Section):
     kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator for the KL loss")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch of rollouts")
     shuffle: bool = Field(False, description="shuffle samples between PPO epochs")
-    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
+    grad_clip: float | None = Field(
+        None,
+        ge=0,
+        description="max global gradient norm; 0 = no clipping; null = optim.clip_grad (verl's newer name "
+        "for it; giving both with different values is an error), else 1.0",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="actor optimizer")
     fsdp_config: FsdpConfig = Field(default_factory=FsdpConfig, description="verl FSDP keys (offload, dtype)")
     deepspeed_config: DeepSpeedConfig = Field(

@@ -79,3 +79,8 @@ STRATEGY_DESCRIPTION = (
     "verl's fsdp/fsdp2/megatron are accepted and all map to 'deepspeed': rlmesh trains under "
     "DeepSpeed ZeRO (see deepspeed_config)"
 )
+
+
+def strategy_field() -> Any:
+    """A role's ``strategy``: checked against verl's names, otherwise ignored (always DeepSpeed)."""
+    return Field("fsdp", description=STRATEGY_DESCRIPTION, json_schema_extra={"compat": True})

@@ -106,6 +106,20 @@ def sequence_packing_problems(cfg: RLMeshConfig) -> list[str]:
     ]
 
 
+def clip_grad_problems(cfg: RLMeshConfig) -> list[str]:
+    """verl's two names for one setting (``grad_clip``, ``optim.clip_grad``) must agree; checked
+    before the derived values are filled in, which would hide it."""
+    problems = []
+    for name, role in ((ACTOR, cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+        old, new = role.grad_clip, role.optim.clip_grad
+        if old is not None and new is not None and old != new:
+            problems.append(
+                f"{name}.grad_clip ({old}) and {name}.optim.clip_grad ({new}) are one setting under two "
+                "names: give one of them"
+            )
+    return problems
+
+
 def _engine_problems(name: str, fsdp_key: str, eff: EngineSettings) -> list[str]:
     problems = []
     if eff.offload_param and eff.zero_stage != 3:
@@ -160,6 +174,8 @@ def cross_field_problems(cfg: RLMeshConfig) -> list[str]:
             f"{ROLLOUT}.val_kwargs.do_sample is true, so {ROLLOUT}.val_kwargs.temperature must be > 0 "
             f"(got {rollout.val_kwargs.temperature})"
         )
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        problems.append("trainer.val_only=true validates and exits: it needs data.val_files (got null)")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (got null)")
     problems += _engine_problems(
@@ -182,9 +198,9 @@ def cross_field_warnings(cfg: RLMeshConfig) -> list[str]:
             "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: "
             "the KL to the reference is penalised twice"
         )
-    for name, strategy in ((ACTOR, cfg.actor_rollout_ref.actor.strategy), ("critic", cfg.critic.strategy)):
-        if strategy == "megatron":
-            notes.append(
-                f"{name}.strategy=megatron: rlmesh trains with DeepSpeed ZeRO; megatron settings are ignored"
-            )
+    if cfg.trainer.critic_warmup > 1 and not cfg.uses_critic():
+        notes.append(
+            f"trainer.critic_warmup={cfg.trainer.critic_warmup} without a critic: steps 1 to "
+            f"{cfg.trainer.critic_warmup - 1} train nothing (the actor trains from step critic_warmup on)"
+        )
     return notes

@@ -15,8 +15,9 @@ def readme_section() -> str:
     return (
         "<details><summary>Every key rlmesh uses, with its default (click to open)</summary>\n\n"
         + keys_markdown_table(include_compat=False)
-        + "\n\n</details>\n\nThe verl keys that are accepted but have no effect are listed in "
-        "[docs/config.md](docs/config.md)."
+        + "\n\n</details>\n\nThe verl keys that are accepted but have no effect are listed, each with the "
+        "reason, in [docs/config.md](docs/config.md#keys-rlmesh-ignores); a config that sets any of them "
+        "gets one warning at start-up naming them (`rlmesh config validate` prints it too)."
     )
 
 

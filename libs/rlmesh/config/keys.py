@@ -147,13 +147,17 @@ def _default_cell(value: Any) -> str:
 
 def keys_markdown_table(include_compat: bool = True) -> str:
     """Markdown for the README: a table of every key with type, default and description, then a
-    second table of the verl keys that load but do nothing (they share one description).
+    second table of the verl keys that load but do nothing, each with the reason
+    (:mod:`rlmesh.config.ignored`).
     """
+    from rlmesh.config.ignored import ignored_reason
+
     lines = ["| key | type | default | description |", "|---|---|---|---|"]
     compat = []
     for item in config_keys():
         if item.compat:
-            compat.append(f"| `{item.key}` | {_cell(_default_cell(item.default))} |")
+            why = ignored_reason(item.key) or ""
+            compat.append(f"| `{item.key}` | {_cell(_default_cell(item.default))} | {_cell(why)} |")
             continue
         lines.append(
             f"| `{item.key}` | {_cell(item.type)} | {_cell(_default_cell(item.default))} | {_cell(item.description)} |"
@@ -161,10 +165,13 @@ def keys_markdown_table(include_compat: bool = True) -> str:
     if include_compat and compat:
         lines += [
             "",
-            f"verl keys that are {COMPAT_DESCRIPTION}:",
+            "## Keys rlmesh ignores",
             "",
-            "| key | default |",
-            "|---|---|",
+            f"verl keys that are {COMPAT_DESCRIPTION}. A config that sets any of them is told which, "
+            "with the reason, in one warning at start-up (and by `rlmesh config validate`):",
+            "",
+            "| key | default | why rlmesh ignores it |",
+            "|---|---|---|",
             *compat,
         ]
     return "\n".join(lines) + "\n"

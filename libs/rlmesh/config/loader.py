@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from rlmesh.config.base import ConfigWarning
 from rlmesh.config.errors import ConfigError, format_validation_error
+from rlmesh.config.ignored import ignored_given, ignored_message
 from rlmesh.config.keys import config_keys
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
@@ -179,6 +180,10 @@ def given_keys(config_path: str | os.PathLike[str] | None = None, overrides: Seq
     """The dotted keys the YAML file and the overrides write (sections and leaves), as opposed to
     those left at their defaults: ``rlmesh train`` starts a private Redis unless
     ``rlmesh.redis_url`` is among them."""
+    return _paths(_read_layers(config_path, overrides, []))
+
+
+def _paths(layers: Sequence[Mapping[str, Any]]) -> set[str]:
     keys: set[str] = set()
 
     def walk(node: Mapping[str, Any], prefix: str) -> None:
@@ -188,15 +193,32 @@ def given_keys(config_path: str | os.PathLike[str] | None = None, overrides: Seq
             if isinstance(value, Mapping):
                 walk(value, f"{path}.")
 
-    for layer in _read_layers(config_path, overrides, []):
+    for layer in layers:
         walk(layer, "")
     return keys
 
 
-def load_config(
+def _ignored_values(cfg: RLMeshConfig) -> dict[str, Any]:
+    """Every ignored (compat) leaf with the value it loaded with."""
+    data = cfg.model_dump(mode="json")
+    return {item.key: _leaf_of(data, item.key) for item in config_keys() if item.compat}
+
+
+def ignored_keys(
     config_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+) -> list[tuple[str, Any, str]]:
+    """``(key, value, why)`` for every key the file and overrides set that rlmesh ignores."""
+    cfg = load_config(config_path, overrides, warn=False)
+    return ignored_given(given_keys(config_path, overrides), _ignored_values(cfg))
+
+
+def load_config(
+    config_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), *, warn: bool = True
 ) -> RLMeshConfig:
     """Defaults <- YAML file <- overrides, interpolations resolved, validated.
+
+    Warns (ConfigWarning) about suspicious combinations, and once, listing them all, about the
+    keys the file and overrides set that rlmesh ignores; ``warn=False``: silently.
 
     Raises ConfigError with every problem found (file, overrides, unknown keys, bad values,
     cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set;
@@ -216,13 +238,39 @@ def load_config(
         except OmegaConfBaseException as e:  # e.g. a key OmegaConf cannot hold
             raise ConfigError([*problems, f"cannot build the config: {e}"]) from None
     _apply_env_token(data)
+    given = _paths(layers)
+    _learner_ranks_from_gpus(data, given, problems)
     try:
-        cfg = config_from_dict(data)
+        with warnings.catch_warnings():
+            if not warn:
+                warnings.simplefilter("ignore", ConfigWarning)
+            cfg = config_from_dict(data)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
     if problems:
         raise ConfigError(problems)
+    ignored = ignored_given(given, _ignored_values(cfg))
+    if warn and ignored:
+        warnings.warn(ignored_message(ignored), ConfigWarning, stacklevel=2)
     return cfg
+
+
+def _learner_ranks_from_gpus(data: dict[str, Any], given: set[str], problems: list[str]) -> None:
+    """verl's ``trainer.n_gpus_per_node`` x ``trainer.nnodes``, when a config sets them and not
+    ``rlmesh.learner.ranks``, are the learner's ranks (rollout replicas hold GPUs of their own)."""
+    if "rlmesh.learner.ranks" in given or not given & {"trainer.n_gpus_per_node", "trainer.nnodes"}:
+        return
+    trainer = data.get("trainer") or {}
+    gpus, nodes = trainer.get("n_gpus_per_node"), trainer.get("nnodes")
+    if not (isinstance(gpus, int) and isinstance(nodes, int)) or gpus < 1:
+        return  # a bad value is reported by validation; 0 GPUs: a CPU run keeps rlmesh.learner.ranks
+    if nodes > 1:
+        problems.append(
+            f"trainer.nnodes={nodes}: `rlmesh serve learner` starts its ranks on one machine; train on "
+            "several nodes under torchrun (README, 'GPU') and set rlmesh.learner.ranks to the ranks of one node"
+        )
+        return
+    data.setdefault("rlmesh", {}).setdefault("learner", {})["ranks"] = gpus
 
 
 def dump_yaml(cfg: RLMeshConfig) -> str:
@@ -230,4 +278,21 @@ def dump_yaml(cfg: RLMeshConfig) -> str:
 
     It includes rlmesh.auth_token when one is set: treat the output as a secret then.
     """
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    data = cfg.model_dump(mode="json")
+    # Ignored keys at their defaults are left out: a service that loads this file would otherwise
+    # list every one of them as set-and-ignored.
+    defaults = RLMeshConfig.model_construct().model_dump(mode="json")
+    for item in config_keys():
+        if item.compat and _leaf_of(data, item.key) == _leaf_of(defaults, item.key):
+            *parents, leaf = item.key.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            del node[leaf]
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def _leaf_of(tree: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[part]
+    return tree

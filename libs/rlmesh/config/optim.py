@@ -43,7 +43,11 @@ class OptimConfig(Section):
     optimizer: Any = compat("AdamW")
     optimizer_impl: Any = compat("torch.optim")
     total_training_steps: Any = compat(-1)
-    clip_grad: Any = compat(1.0)
+    clip_grad: float | None = Field(
+        None,
+        ge=0,
+        description="max global gradient norm (verl's newer name for the role's grad_clip); null = that",
+    )
     override_optimizer_config: Any = compat(None)
 
     @model_validator(mode="before")

@@ -148,7 +148,8 @@ class LearnerServiceConfig(ServiceConfig):
         1,
         ge=1,
         description="data-parallel ranks `rlmesh serve learner` starts on this machine (one GPU each on "
-        "CUDA, gloo on CPU); under torchrun or deepspeed the launcher's ranks apply instead",
+        "CUDA, gloo on CPU); a config that sets trainer.n_gpus_per_node and not this key gets that "
+        "number; under torchrun or deepspeed the launcher's ranks apply instead",
     )
     torch_threads: int = Field(
         0,

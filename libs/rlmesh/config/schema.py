@@ -10,7 +10,12 @@ from pydantic import Field, model_validator
 
 from rlmesh.config.actor_rollout_ref import ActorRolloutRefConfig
 from rlmesh.config.base import CrossFieldProblems, Section, compat
-from rlmesh.config.checks import cross_field_problems, cross_field_warnings, sequence_packing_problems
+from rlmesh.config.checks import (
+    clip_grad_problems,
+    cross_field_problems,
+    cross_field_warnings,
+    sequence_packing_problems,
+)
 from rlmesh.config.rlmesh_section import RlmeshSection
 from rlmesh.config.sections import (
     AlgorithmConfig,
@@ -54,7 +59,8 @@ class RLMeshConfig(Section):
 
     @model_validator(mode="after")
     def _resolve_and_check(self) -> RLMeshConfig:
-        early = sequence_packing_problems(self)  # before the derived values hide what was set
+        # Before the derived values hide what was set.
+        early = sequence_packing_problems(self) + clip_grad_problems(self)
         self._resolve_derived()
         problems = early + cross_field_problems(self)
         if problems:
@@ -82,6 +88,10 @@ class RLMeshConfig(Section):
             model.use_remove_padding = True
             self.critic.model.use_remove_padding = True
         actor.use_remove_padding = _default(actor.use_remove_padding, model.use_remove_padding)
+        for role in (actor, self.critic):
+            role.grad_clip = role.optim.clip_grad = _default(
+                _default(role.grad_clip, role.optim.clip_grad), 1.0
+            )
         actor.clip_ratio_low = _default(actor.clip_ratio_low, actor.clip_ratio)
         actor.clip_ratio_high = _default(actor.clip_ratio_high, actor.clip_ratio)
 

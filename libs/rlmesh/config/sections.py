@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator
 
-from rlmesh.config.base import STRATEGY_DESCRIPTION, KLPenalty, LossAggMode, Section, Strategy, compat
+from rlmesh.config.base import KLPenalty, LossAggMode, Section, Strategy, compat, strategy_field
 from rlmesh.config.optim import (
     CriticOptimConfig,
     DeepSpeedConfig,
@@ -117,7 +117,7 @@ class CriticConfig(Section):
     enable: bool | None = Field(
         None, description="train a critic; null = only when algorithm.adv_estimator is gae"
     )
-    strategy: Strategy = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    strategy: Strategy = strategy_field()
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig, description="critic optimizer")
     model: CriticModelConfig = Field(default_factory=CriticModelConfig, description="value model")
     ppo_mini_batch_size: int | None = Field(
@@ -142,7 +142,12 @@ class CriticConfig(Section):
     loss_agg_mode: LossAggMode | None = Field(
         None, description="loss aggregation; null = actor.loss_agg_mode"
     )
-    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 = no clipping")
+    grad_clip: float | None = Field(
+        None,
+        ge=0,
+        description="max global gradient norm; 0 = no clipping; null = optim.clip_grad (verl's newer name "
+        "for it; giving both with different values is an error), else 1.0",
+    )
     deepspeed_config: DeepSpeedConfig = Field(
         default_factory=DeepSpeedConfig, description="DeepSpeed ZeRO settings"
     )
@@ -191,9 +196,7 @@ class RewardModelConfig(Section):
         None, gt=0, description="samples per forward; null = whole batch"
     )
     max_length: int | None = Field(None, gt=0, description="max tokens scored per sample; null = no limit")
-    reward_manager: str = Field(
-        "naive", description="how rewards are assembled per batch (verl: naive, batch, …)"
-    )
+    reward_manager: Any = compat("naive")
     enable_resource_pool: Any = compat(False)
     n_gpus_per_node: Any = compat(8)
     nnodes: Any = compat(0)
@@ -288,8 +291,18 @@ class TrainerConfig(Section):
         default_factory=lambda: ["console", "wandb"], description="metric sinks ('file' = jsonl, verl's name)"
     )
     log_val_generations: int = Field(0, ge=0, description="validation generations to log each validation")
-    nnodes: int = Field(1, ge=1, description="nodes of the run")
-    n_gpus_per_node: int = Field(8, ge=0, description="GPUs per node")
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="nodes of the learner; > 1 is refused unless rlmesh.learner.ranks is set too (a "
+        "multi-node learner runs under torchrun)",
+    )
+    n_gpus_per_node: int = Field(
+        8,
+        ge=0,
+        description="GPUs of the learner per node: a config that sets it (>= 1) and not "
+        "rlmesh.learner.ranks trains on this many ranks; rollout replicas hold GPUs of their own",
+    )
     save_freq: int = Field(-1, ge=-1, description="checkpoint every this many steps; -1 = never")
     resume_mode: Literal["auto", "disable", "resume_path"] = Field(
         "auto",
@@ -305,9 +318,20 @@ class TrainerConfig(Section):
     default_local_dir: str = Field(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", description="checkpoint directory"
     )
-    max_actor_ckpt_to_keep: int | None = Field(None, gt=0, description="actor checkpoints kept; null = all")
-    max_critic_ckpt_to_keep: int | None = Field(None, gt=0, description="critic checkpoints kept; null = all")
-    device: Literal["cuda", "cpu"] = Field("cuda", description="device the learner trains on")
+    max_actor_ckpt_to_keep: int | None = Field(
+        None,
+        gt=0,
+        description="newest checkpoints kept, older ones deleted; a step's directory holds actor and critic "
+        "together (a resume needs both), so the larger of the two limits decides; null = all",
+    )
+    max_critic_ckpt_to_keep: int | None = Field(
+        None, gt=0, description="as max_actor_ckpt_to_keep, for the critic (the larger limit decides)"
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description="device the learner trains on; cuda on a machine without one trains on the CPU with a "
+        "warning; cpu stays off the GPUs",
+    )
     balance_batch: Any = compat(True)
     rollout_data_dir: Any = compat(None)
     validation_data_dir: Any = compat(None)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlmesh.algo import agg_loss, compute_policy_loss, kl_penalty
+from rlmesh.algo import agg_loss, get_policy_loss_fn, kl_penalty
 from rlmesh.config import ActorConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
@@ -125,6 +125,7 @@ class DeepSpeedPPOActor:
         """
         cfg = self.config
         mode = cfg.loss_agg_mode
+        policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
         dp = world_size()
         n_tokens, n_seqs = mini_batch_counts(batch, rows)
         calculate_entropy = self.entropy_coeff != 0
@@ -152,7 +153,7 @@ class DeepSpeedPPOActor:
             weights = None
             if rollout_is_weights is not None:
                 weights = rows_of(rollout_is_weights, micro_rows, w, self.device)
-            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
+            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss_fn(
                 old,
                 log_prob,
                 rows_of(advantages, micro_rows, w, self.device),

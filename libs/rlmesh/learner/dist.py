@@ -40,7 +40,16 @@ def _skip_shm_comm_build() -> None:
         ds_torch_comm.build_shm_op = lambda: None
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
+def learner_device(requested: str, cuda_available: bool) -> str:
+    """``trainer.device`` as this machine can honour it: ``cuda`` falls back to ``cpu`` (with a
+    warning) where there is no CUDA device; ``cpu`` trains on the CPU even beside GPUs."""
+    if requested == "cuda" and not cuda_available:
+        log.warning("trainer.device=cuda but this machine has no CUDA device: the learner trains on the CPU")
+        return "cpu"
+    return requested
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0, device: str = "cuda") -> None:
     """Join (or create) the learner's process group; idempotent.
 
     Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the group is the launcher's.
@@ -49,18 +58,27 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
 
     Args:
         backend: ``gloo`` or ``nccl``; default NCCL on CUDA, gloo otherwise.
+        device: ``trainer.device``; ``cpu`` keeps the learner (and DeepSpeed) off the GPUs.
         timeout_s: how long any collective of the group may wait for the other ranks before it
             fails (verl's ``actor_rollout_ref.nccl_timeout``); torch's default is 30 minutes.
     """
     import deepspeed
 
+    on_cuda = learner_device(device, torch.cuda.is_available()) == "cuda"
+    if not on_cuda:
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            set_accelerator(CPU_Accelerator())
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if on_cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         _skip_shm_comm_build()
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
+    if on_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         dist.init_process_group(

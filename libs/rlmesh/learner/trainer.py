@@ -63,7 +63,7 @@ class PPOTrainer:
     """
 
     def __init__(self, config: RLMeshConfig, total_training_steps: int, *, seed: int | None = None) -> None:
-        init_distributed(timeout_s=config.actor_rollout_ref.nccl_timeout)
+        init_distributed(timeout_s=config.actor_rollout_ref.nccl_timeout, device=config.trainer.device)
         self.config = config
         self.total_training_steps = int(total_training_steps)
         self.rank, self.dp_size = rank(), world_size()

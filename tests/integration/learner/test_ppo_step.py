@@ -7,9 +7,8 @@ import logging
 import pytest
 import torch
 
-from rlmesh.algo import AdaptiveKLController
+from rlmesh.algo import POLICY_LOSS_REGISTRY, AdaptiveKLController
 from rlmesh.learner import BatchError, PPOTrainer, build_batch
-from rlmesh.learner import actor as actor_module
 from tests.support.learner import PAD, make_config, make_trajectories, module_state
 
 
@@ -98,13 +97,14 @@ def test_nan_score_is_refused_before_the_loss(tiny_model_dir):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_non_finite_loss_skips_the_step_with_a_clear_error(tiny_model_dir, monkeypatch, caplog, stage):
     # Stage 0 (fp32) is checked by the trainer; ZeRO stages by DeepSpeed's own overflow check.
-    real = actor_module.compute_policy_loss
+    # The actor looks its loss up by policy_loss.loss_mode: replace the registered "vanilla".
+    real = POLICY_LOSS_REGISTRY["vanilla"]
 
     def nan_policy_loss(*args, **kwargs):
         pg_loss, *rest = real(*args, **kwargs)
         return (pg_loss * float("nan"), *rest)
 
-    monkeypatch.setattr(actor_module, "compute_policy_loss", nan_policy_loss)
+    monkeypatch.setitem(POLICY_LOSS_REGISTRY, "vanilla", nan_policy_loss)
     cfg = make_config(tiny_model_dir, estimator="gae", stage=stage)
     trainer = PPOTrainer(cfg, total_training_steps=10)
     before = module_state(trainer.actor.engine)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.config import (
+    ConfigError,
     ConfigWarning,
     RLMeshConfig,
     ServiceConfig,
@@ -318,9 +319,15 @@ ray_kwargs:
 
 
 def test_a_verl_style_config_loads(write_yaml: WriteYaml) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # and says nothing: these settings are all legal
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         cfg = load_config(write_yaml(VERL_STYLE))
+    # These settings are all legal: the one warning names the keys rlmesh ignores.
+    assert len(caught) == 1 and issubclass(caught[0].category, ConfigWarning), [
+        str(w.message) for w in caught
+    ]
+    assert "accepted but ignored by rlmesh" in str(caught[0].message)
+    assert "\n  actor_rollout_ref.actor.strategy=fsdp2: " in str(caught[0].message)
     arr = cfg.actor_rollout_ref
     assert arr.rollout.name == "sglang"
     assert arr.actor.strategy == "fsdp2"
@@ -419,3 +426,32 @@ def test_config_from_dict() -> None:
         {"data": {"train_batch_size": 512}, "actor_rollout_ref": {"actor": {"_target_": "x"}}}
     )
     assert cfg.data.train_batch_size == 512
+
+
+def test_verls_gpu_count_sets_the_learner_ranks_when_ranks_is_not_given() -> None:
+    assert load_config(None, ["trainer.n_gpus_per_node=4"]).rlmesh.learner.ranks == 4
+    assert (
+        load_config(None, ["trainer.n_gpus_per_node=4", "rlmesh.learner.ranks=2"]).rlmesh.learner.ranks == 2
+    )
+    assert load_config(None, ["trainer.n_gpus_per_node=0"]).rlmesh.learner.ranks == 1  # a CPU run
+    assert load_config(None, []).rlmesh.learner.ranks == 1  # verl's default 8 is not a request
+    with pytest.raises(ConfigError, match=r"trainer\.nnodes=2: .*torchrun.*rlmesh\.learner\.ranks"):
+        load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2"])
+    cfg = load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2", "rlmesh.learner.ranks=8"])
+    assert cfg.rlmesh.learner.ranks == 8
+
+
+def test_optim_clip_grad_is_verls_newer_name_of_grad_clip() -> None:
+    actor = "actor_rollout_ref.actor"
+    assert load_config(None, []).actor_rollout_ref.actor.grad_clip == 1.0
+    assert load_config(None, [f"{actor}.optim.clip_grad=0.3"]).actor_rollout_ref.actor.grad_clip == 0.3
+    assert load_config(None, ["critic.optim.clip_grad=0.2"]).critic.grad_clip == 0.2
+    assert load_config(None, [f"{actor}.grad_clip=0.5"]).actor_rollout_ref.actor.optim.clip_grad == 0.5
+    assert (
+        load_config(
+            None, [f"{actor}.grad_clip=0.5", f"{actor}.optim.clip_grad=0.5"]
+        ).actor_rollout_ref.actor.grad_clip
+        == 0.5
+    )
+    with pytest.raises(ConfigError, match=r"actor\.grad_clip \(0\.5\) and .*optim\.clip_grad \(0\.3\)"):
+        load_config(None, [f"{actor}.grad_clip=0.5", f"{actor}.optim.clip_grad=0.3"])
