@@ -198,6 +198,13 @@ def cross_field_warnings(cfg: RLMeshConfig) -> list[str]:
             "algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: "
             "the KL to the reference is penalised twice"
         )
+    corr = cfg.algorithm.rollout_correction
+    if cfg.rlmesh.max_staleness > 0 and corr.rollout_is is None and not corr.bypass_mode:
+        notes.append(
+            f"rlmesh.max_staleness={cfg.rlmesh.max_staleness} trains samples up to that many policy versions "
+            "old with no importance-sampling correction: set algorithm.rollout_correction.rollout_is=token "
+            "(or sequence) to correct for it"
+        )
     if cfg.trainer.critic_warmup > 1 and not cfg.uses_critic():
         notes.append(
             f"trainer.critic_warmup={cfg.trainer.critic_warmup} without a critic: steps 1 to "

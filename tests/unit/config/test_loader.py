@@ -455,3 +455,12 @@ def test_optim_clip_grad_is_verls_newer_name_of_grad_clip() -> None:
     )
     with pytest.raises(ConfigError, match=r"actor\.grad_clip \(0\.5\) and .*optim\.clip_grad \(0\.3\)"):
         load_config(None, [f"{actor}.grad_clip=0.5", f"{actor}.optim.clip_grad=0.3"])
+
+
+def test_an_async_run_without_is_correction_is_warned() -> None:
+    with pytest.warns(ConfigWarning, match=r"rlmesh\.max_staleness=1 .*rollout_is=token"):
+        load_config(None, ["rlmesh.max_staleness=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["rlmesh.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"])
+        load_config(None, ["rlmesh.max_staleness=0"])
