@@ -20,6 +20,7 @@ __all__ = [
     "batch_metrics",
     "build_batch",
     "compute_position_ids",
+    "staleness_metrics",
     "validate_trajectory",
 ]
 
@@ -262,3 +263,15 @@ def batch_metrics(
         metrics[f"{key}/min"] = x.min().item()
     metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
     return metrics
+
+
+def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:
+    """``training/staleness/{mean,max,min}``: how many policy versions the weights that sampled each
+    trajectory lag ``version``, the weights the step trains (0 for every sample of a synchronous
+    run, at most ``rlmesh.max_staleness`` in an asynchronous one)."""
+    lag = int(version) - batch.policy_versions.astype(np.int64)
+    return {
+        "training/staleness/mean": float(lag.mean()),
+        "training/staleness/max": float(lag.max()),
+        "training/staleness/min": float(lag.min()),
+    }

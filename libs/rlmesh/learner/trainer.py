@@ -27,7 +27,7 @@ from rlmesh.config import RLMeshConfig, dump_yaml
 from rlmesh.config.secrets import redact_url
 from rlmesh.learner import checkpoint
 from rlmesh.learner.actor import DeepSpeedPPOActor
-from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics
+from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics, staleness_metrics
 from rlmesh.learner.colocated_reference import ColocatedReference, colocated_reference
 from rlmesh.learner.critic import DeepSpeedPPOCritic
 from rlmesh.learner.deepspeed_engine import build_engine
@@ -186,8 +186,9 @@ class PPOTrainer:
         ``timing_s/{ref, old_log_prob, values, adv, update_critic, update_actor}`` (seconds; ``ref``
         with a colocated reference only) with
         ``timing_start/*`` (when each began, Unix seconds), ``rollout_corr/*``,
-        ``training/rollout_logprob_abs_diff``, and ``{actor,critic}/skipped_steps`` (this step),
-        ``training/skipped_steps`` (the run).
+        ``training/rollout_logprob_abs_diff``, ``training/staleness/{mean, max, min}`` (policy
+        versions the samples lag the trained weights), and ``{actor,critic}/skipped_steps`` (this
+        step), ``training/skipped_steps`` (the run).
 
         Args:
             batch: from :func:`rlmesh.learner.build_batch`, identical on every rank.
@@ -273,6 +274,8 @@ class PPOTrainer:
         metrics.update(
             batch_metrics(batch, token_level_rewards, advantages, returns, values, self.max_response_length)
         )
+        # The trainer's steps so far are the learner's policy version (the loop pushes one per step).
+        metrics.update(staleness_metrics(batch, self.global_steps))
         metrics.update(timing)
         metrics["training/skipped_steps"] = float(self.skipped_steps)
         metrics["training/actor_updated"] = float(update_actor)

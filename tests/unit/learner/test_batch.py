@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlmesh.learner.batch import BatchError, build_batch, validate_trajectory
+from rlmesh.learner.batch import BatchError, build_batch, staleness_metrics, validate_trajectory
 from rlmesh.v1.common_pb2 import ErrorCode
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
@@ -117,3 +117,16 @@ def test_a_run_that_needs_the_reference_refuses_samples_without_it_naming_the_re
     reason = validate_trajectory(t, needs_ref=True)
     assert reason.startswith("ref_log_probs: missing") and "rollout-7" in reason
     assert validate_trajectory(traj(ref=(-1.0, -1.5)), needs_ref=True) is None
+
+
+def test_staleness_counts_versions_behind_the_trained_weights():
+    batch = build_batch(
+        [traj("g0/0", version=4), traj("g0/1", version=3), traj("g1/0", group="g1", version=4)], PAD
+    )
+    assert staleness_metrics(batch, 4) == {
+        "training/staleness/mean": pytest.approx(1 / 3),
+        "training/staleness/max": 1.0,
+        "training/staleness/min": 0.0,
+    }
+    on_policy = staleness_metrics(batch.select([0, 2]), 4)
+    assert on_policy["training/staleness/max"] == on_policy["training/staleness/mean"] == 0.0
