@@ -101,6 +101,7 @@ trainer:
   n_gpus_per_node: 0
   total_training_steps: {steps}
   save_freq: 2
+  max_actor_ckpt_to_keep: 1
   test_freq: {steps}
   val_before_train: true
   logger: [console]
@@ -282,6 +283,8 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
     assert summary["steps"] == STEPS
     assert summary["acc_before"] == rows[0]["val/score"] and summary["acc_after"] == rows[-1]["val/score"]
     assert Path(summary["checkpoint_dir"]) == user.run_dir
+    # Saved at step 2 and at the last step; max_actor_ckpt_to_keep=1 kept the newest only.
+    assert sorted(p.name for p in user.run_dir.glob("global_step_*")) == [f"global_step_{STEPS}"]
 
     # The reward file scored: every call of it is in its trace, for training and validation, with
     # the data source, ground truth and extra_info of the user's Parquet rows (a built-in would not
