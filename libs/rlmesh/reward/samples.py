@@ -54,10 +54,11 @@ def sample_inputs(sample: reward_pb2.RewardSample, tokenizer: Any) -> tuple[str,
         except json.JSONDecodeError as e:
             raise ValueError(f"extra_info_json is not valid JSON: {e}") from None
     solution = sample.response_text
-    if not solution and len(sample.response_ids) > 0:
+    # Present (even empty) is the policy's own decoding: a response of special tokens only is "".
+    if not sample.HasField("response_text") and len(sample.response_ids) > 0:
         if tokenizer is None:
             raise ValueError(
-                f"response_text is empty but response_ids holds {len(sample.response_ids)} ids, and "
+                f"response_text is not set but response_ids holds {len(sample.response_ids)} ids, and "
                 "this reward service has no tokenizer to decode them"
             )
         solution = tokenizer.decode(list(sample.response_ids), skip_special_tokens=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"\xb5\x01\n\x0cRewardSample\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x15\n\rresponse_text\x18\x04 \x01(\t\x12\x14\n\x0cresponse_ids\x18\x05 \x03(\x05\x12\x14\n\x0cground_truth\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x07 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x08 \x01(\t\"8\n\x0cScoreRequest\x12(\n\x07samples\x18\x01 \x03(\x0b\x32\x17.rlmesh.v1.RewardSample\"\xb2\x01\n\x0cRewardResult\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x31\n\x05\x65xtra\x18\x03 \x03(\x0b\x32\".rlmesh.v1.RewardResult.ExtraEntry\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlmesh.v1.RewardResult\"P\n\nRewardInfo\x12\x11\n\tfunctions\x18\x01 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\x05\x32x\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12\x32\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x15.rlmesh.v1.RewardInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"\xcc\x01\n\x0cRewardSample\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x1a\n\rresponse_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x0cresponse_ids\x18\x05 \x03(\x05\x12\x14\n\x0cground_truth\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x07 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x08 \x01(\tB\x10\n\x0e_response_text\"8\n\x0cScoreRequest\x12(\n\x07samples\x18\x01 \x03(\x0b\x32\x17.rlmesh.v1.RewardSample\"\xb2\x01\n\x0cRewardResult\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x31\n\x05\x65xtra\x18\x03 \x03(\x0b\x32\".rlmesh.v1.RewardResult.ExtraEntry\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.rlmesh.v1.SampleError\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlmesh.v1.RewardResult\"P\n\nRewardInfo\x12\x11\n\tfunctions\x18\x01 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\x05\x12\x17\n\x0fmax_concurrency\x18\x03 \x01(\x05\x32x\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12\x32\n\x07GetInfo\x12\x10.rlmesh.v1.Empty\x1a\x15.rlmesh.v1.RewardInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDRESULT_EXTRAENTRY']._loaded_options = None
   _globals['_REWARDRESULT_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_REWARDSAMPLE']._serialized_start=62
-  _globals['_REWARDSAMPLE']._serialized_end=243
-  _globals['_SCOREREQUEST']._serialized_start=245
-  _globals['_SCOREREQUEST']._serialized_end=301
-  _globals['_REWARDRESULT']._serialized_start=304
-  _globals['_REWARDRESULT']._serialized_end=482
-  _globals['_REWARDRESULT_EXTRAENTRY']._serialized_start=438
-  _globals['_REWARDRESULT_EXTRAENTRY']._serialized_end=482
-  _globals['_SCORERESPONSE']._serialized_start=484
-  _globals['_SCORERESPONSE']._serialized_end=541
-  _globals['_REWARDINFO']._serialized_start=543
-  _globals['_REWARDINFO']._serialized_end=623
-  _globals['_REWARD']._serialized_start=625
-  _globals['_REWARD']._serialized_end=745
+  _globals['_REWARDSAMPLE']._serialized_end=266
+  _globals['_SCOREREQUEST']._serialized_start=268
+  _globals['_SCOREREQUEST']._serialized_end=324
+  _globals['_REWARDRESULT']._serialized_start=327
+  _globals['_REWARDRESULT']._serialized_end=505
+  _globals['_REWARDRESULT_EXTRAENTRY']._serialized_start=461
+  _globals['_REWARDRESULT_EXTRAENTRY']._serialized_end=505
+  _globals['_SCORERESPONSE']._serialized_start=507
+  _globals['_SCORERESPONSE']._serialized_end=564
+  _globals['_REWARDINFO']._serialized_start=566
+  _globals['_REWARDINFO']._serialized_end=646
+  _globals['_REWARD']._serialized_start=648
+  _globals['_REWARD']._serialized_end=768
 # @@protoc_insertion_point(module_scope)

@@ -83,9 +83,9 @@ def custom(launcher, user_env, tmp_path_factory):
 
 
 def sample(uid, response, truth="42", **kw):
-    return reward_pb2.RewardSample(
-        uid=uid, response_text=response, ground_truth=truth, data_source="mine", **kw
-    )
+    # response=None leaves response_text unset: the service decodes response_ids.
+    text = {} if response is None else {"response_text": response}
+    return reward_pb2.RewardSample(uid=uid, **text, ground_truth=truth, data_source="mine", **kw)
 
 
 async def test_a_user_function_by_dotted_path_scores_and_its_failures_stay_per_sample(custom):
@@ -99,7 +99,7 @@ async def test_a_user_function_by_dotted_path_scores_and_its_failures_stay_per_s
                 sample("nan", "nan"),
                 sample("str", "str"),
                 sample("wrong", "41"),
-                sample("ids", "", response_ids=[21, 19]),  # "42" in the char tokenizer
+                sample("ids", None, response_ids=[21, 19]),  # "42" in the char tokenizer
             ]
         )
         by_uid = {r.uid: r for r in results}

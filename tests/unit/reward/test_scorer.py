@@ -26,9 +26,11 @@ Code = common_pb2.ErrorCode
 
 
 def sample(uid="u", response="", truth="", source="test", extra=None, **kw):
+    # response=None leaves response_text unset (the service decodes response_ids).
+    text = {} if response is None else {"response_text": response}
     return reward_pb2.RewardSample(
         uid=uid,
-        response_text=response,
+        **text,
         ground_truth=truth,
         data_source=source,
         extra_info_json=json.dumps(extra) if extra is not None else "",
@@ -222,11 +224,23 @@ async def test_response_ids_are_decoded_when_the_text_is_missing():
     tok = build_tokenizer()
     scorer = RewardScorer(builtin_function("gsm8k"), tokenizer=tok)
     ids = tok("#### 72<|endoftext|>")["input_ids"]
-    (result,) = await scorer.score([sample("a", truth="72", response_ids=ids)])
+    (result,) = await scorer.score([sample("a", response=None, truth="72", response_ids=ids)])
     assert result.score == 1.0
     no_tok = RewardScorer(builtin_function("gsm8k"))
-    (result,) = await no_tok.score([sample("a", truth="72", response_ids=ids)])
+    (result,) = await no_tok.score([sample("a", response=None, truth="72", response_ids=ids)])
     assert result.error.code == Code.ERROR_CODE_INVALID_INPUT and "no tokenizer" in result.error.message
+
+
+async def test_an_empty_response_text_is_the_text_not_a_missing_one():
+    # A response of special tokens only decodes to "": scored as "", with or without a tokenizer.
+    seen = []
+
+    def record(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return 0.5
+
+    (result,) = await RewardScorer(fn(record)).score([sample("a", response="", response_ids=[7, 7])])
+    assert not result.HasField("error") and result.score == 0.5 and seen == [""]
 
 
 def test_malformed_batches_are_refused_naming_the_problem():
