@@ -183,3 +183,17 @@ def test_critic_warmup_trains_only_the_critic_until_its_step(tiny_model_dir):
         assert metrics["training/actor_updated"] == float(step >= 3)
         # The actor's lr schedule does not advance while it does not train.
         assert trainer.actor.scheduler.last_epoch - scheduled_before == (step >= 3)
+
+
+def test_a_live_kl_loss_coef_changes_the_actors_update(tiny_model_dir):
+    # The same batch from the same weights: only the KL-loss weight, set live, differs.
+    cfg = make_config(tiny_model_dir, "actor_rollout_ref.actor.use_kl_loss=true")
+    batch = build_batch(make_trajectories(seed=20), PAD)
+    states = []
+    for coef in (0.0, 5.0):
+        trainer = PPOTrainer(cfg, total_training_steps=10)
+        trainer.update_hyperparams(kl_loss_coef=coef)
+        metrics = trainer.train_step(batch)
+        assert trainer.actor.kl_loss_coef == coef and metrics["actor/kl_loss"] > 0
+        states.append(module_state(trainer.actor.engine))
+    assert any(not torch.equal(states[0][n], states[1][n]) for n in states[0])
