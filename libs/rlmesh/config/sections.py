@@ -312,9 +312,18 @@ class TrainerConfig(Section):
         None, description="checkpoint to resume when resume_mode=resume_path"
     )
     val_before_train: bool = Field(True, description="validate once before the first step")
-    val_only: bool = Field(False, description="validate and exit")
+    val_only: bool = Field(
+        False,
+        description="validate the policy (the resumed checkpoint's, if any) once, log it at that step and "
+        "exit without training; needs data.val_files (verl also needs val_before_train; rlmesh does not)",
+    )
     test_freq: int = Field(-1, ge=-1, description="validate every this many steps; -1 = never")
-    critic_warmup: int = Field(0, ge=0, description="steps that train only the critic before the actor")
+    critic_warmup: int = Field(
+        0,
+        ge=0,
+        description="verl's rule: the actor trains at step s only when critic_warmup <= s, so steps 1 to "
+        "critic_warmup - 1 train only the critic (training/actor_updated = 0)",
+    )
     default_local_dir: str = Field(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", description="checkpoint directory"
     )
