@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML config file (verl key names)")
     p.add_argument(
         "--services",
-        default="reward,reference,rollout,learner",
-        help="comma-separated services to start (add control for the control plane)",
+        default="reward,reference,rollout,learner,control",
+        help="comma-separated services to start (control only while rlmesh.control.enabled, as in rlmesh train)",
     )
     p.add_argument("--hold", action="store_true", help="keep everything running until Ctrl-C")
     p.add_argument("--workdir", help="where logs and Redis data go (default: runs/<run id>)")

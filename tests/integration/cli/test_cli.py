@@ -58,7 +58,7 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PING: PONG" in out.stdout
     pids = []
-    for name in ("reward", "reference", "rollout-0", "learner"):
+    for name in ("reward", "reference", "rollout-0", "learner", "control"):
         line = next(
             (
                 ln
@@ -68,7 +68,7 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
             None,
         )
         assert line, f"no status line for {name}:\n{out.stdout}"
-        assert "health: SERVING" in line and "rlmesh series" in line
+        assert "health: SERVING" in line and "rlmesh series" in line, line
         pids.append(int(re.search(r"pid (\d+)", line).group(1)))
     pids.append(int(re.search(r"redis\s+pid (\d+)", out.stdout).group(1)))
     assert "all processes stopped" in out.stdout
