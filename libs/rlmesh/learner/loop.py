@@ -32,7 +32,7 @@ from rlmesh.learner.commands import Followers, RankCommand, run_collective
 from rlmesh.learner.feeder import PromptFeeder, index_of
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
-from rlmesh.learner.validation import val_sampling, validate
+from rlmesh.learner.validation import run_validation, select_generations, val_sampling
 from rlmesh.learner.weight_push import WeightPusher, WeightPushError, weight_master_address
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
@@ -138,6 +138,9 @@ class TrainingLoop:
             registry=registry,
             project=cfg.trainer.project_name,
             experiment=cfg.trainer.experiment_name,
+            # wandb and mlflow keep the resolved config (the sinks mask its secrets).
+            config=None if follower else cfg.model_dump(mode="json"),
+            run_dir=out_dir,
         )
         # Uids of the last max_staleness + 2 committed steps: the used set in Redis holds these
         # only. A copy of an older step's sample cannot be taken anyway (its group is no longer
@@ -613,7 +616,7 @@ class TrainingLoop:
         prev, self.state.phase = self.state.phase, "VALIDATING"
         live = await self._live_engines()
         rollout = self.cfg.actor_rollout_ref.rollout
-        metrics = await validate(
+        result = await run_validation(
             self.val_set.items,
             replicas=[r.grpc_address for r in live],
             score=self.reward.score,
@@ -623,6 +626,12 @@ class TrainingLoop:
             token=self.cfg.rlmesh.auth_token,
         )
         self.state.phase = prev
+        metrics = result.metrics
+        # The first trainer.log_val_generations samples (verl's choice) to every sink, before the
+        # step's metrics: both under this step.
+        self.sinks.log_generations(
+            step, select_generations(result.samples, self.cfg.trainer.log_val_generations)
+        )
         if log:
             await self._log_metrics(step, metrics)
         self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}")

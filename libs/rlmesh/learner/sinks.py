@@ -12,7 +12,8 @@ Where the trackers write, when the environment does not say otherwise:
   found (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or a ``wandb login`` in ~/.netrc):
   a run never stops at a login prompt, and ``wandb sync`` uploads it later. ``WANDB_MODE`` and
   ``WANDB_DIR`` are wandb's own and win.
-- mlflow: ``MLFLOW_TRACKING_URI``, else a file store at ``<run dir>/mlruns``.
+- mlflow: ``MLFLOW_TRACKING_URI``, else a file store at ``<run dir>/mlruns`` (where a metric
+  under another's name is renamed: ``val/score/<source>`` is ``val/score-<source>``).
 - tensorboard: ``TENSORBOARD_DIR`` (verl's variable), else ``<run dir>/tensorboard``.
 """
 
@@ -78,10 +79,10 @@ def _prom_name(key: str) -> str:
     return "rlmesh_learner_" + "".join(c if c.isalnum() else "_" for c in key)
 
 
-def _walk(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+def _walk(value: Any, path: str = "", sep: str = ".") -> Iterator[tuple[str, Any]]:
     if isinstance(value, dict) and value:
         for key, sub in value.items():
-            yield from _walk(sub, f"{path}.{key}" if path else str(key))
+            yield from _walk(sub, f"{path}{sep}{key}" if path else str(key), sep)
     else:
         yield path, value
 
@@ -122,12 +123,44 @@ def mlflow_params(config: dict[str, Any]) -> dict[str, str]:
     """The config flattened as verl does (``trainer/logger``), each value a string within mlflow's
     length limit (lists as JSON)."""
     params: dict[str, str] = {}
-    for path, value in _walk(public_config(config)):
+    for path, value in _walk(public_config(config), sep="/"):
         text = json.dumps(value) if isinstance(value, list | dict) else str(value)
         if len(text) > _MLFLOW_PARAM_MAX:
             text = text[: _MLFLOW_PARAM_MAX - 3] + "..."
-        params[mlflow_name(path.replace(".", "/"))] = text
+        params[mlflow_name(path)] = text
     return params
+
+
+class FileStoreNames:
+    """Names for mlflow's file store, which keeps each metric (or parameter) in a file at its
+    name's path: ``val/score`` and ``val/score/arithmetic`` cannot both be kept there. A name
+    with a kept name as an ancestor joins at that point with ``-`` (``val/score-arithmetic``);
+    one that is already a directory becomes ``<name>/value``. Names are given out in sorted
+    order within a batch (parents first) and never change for the run; other stores keep every
+    name as it is."""
+
+    def __init__(self) -> None:
+        self.given: dict[str, str] = {}
+        self.files: set[str] = set()
+        self.dirs: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        return self.given[name]
+
+    def add(self, names: Iterator[str] | list[str]) -> None:
+        for name in sorted(set(names) - self.given.keys()):
+            parts = name.split("/")
+            out = parts[0]
+            for part in parts[1:]:
+                out += ("-" if out in self.files else "/") + part
+            if out in self.dirs:
+                out += "/value"
+            while out in self.files or out in self.dirs:
+                out += "_"
+            self.given[name] = out
+            self.files.add(out)
+            pieces = out.split("/")
+            self.dirs.update("/".join(pieces[:i]) for i in range(1, len(pieces)))
 
 
 def _finite(value: float) -> float | None:
@@ -186,7 +219,8 @@ class _Mlflow:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        if urlparse(uri).scheme in ("", "file"):
+        self.file_store = urlparse(uri).scheme in ("", "file")
+        if self.file_store:
             # mlflow 3 keeps its file store only when asked to (it is in maintenance mode).
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
@@ -194,7 +228,11 @@ class _Mlflow:
         found = self.client.get_experiment_by_name(project)
         experiment_id = found.experiment_id if found else self.client.create_experiment(project)
         self.run_id = self.client.create_run(experiment_id, run_name=experiment).info.run_id
-        params = [Param(k, v) for k, v in mlflow_params(config).items()]
+        self.metric_names = FileStoreNames()
+        param_names = FileStoreNames()
+        values = mlflow_params(config)
+        param_names.add(list(values))
+        params = [Param(param_names(k) if self.file_store else k, v) for k, v in values.items()]
         for i in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + _MLFLOW_PARAMS_PER_BATCH])
 
@@ -202,7 +240,11 @@ class _Mlflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(mlflow_name(k), v, now, step) for k, v in metrics.items()]
+        named = {mlflow_name(k): v for k, v in metrics.items()}
+        if self.file_store:
+            self.metric_names.add(list(named))
+            named = {self.metric_names(k): v for k, v in named.items()}
+        batch = [Metric(k, v, now, step) for k, v in named.items()]
         for i in range(0, len(batch), _MLFLOW_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=batch[i : i + _MLFLOW_METRICS_PER_BATCH])
 
@@ -343,9 +385,15 @@ class MetricsSinks:
         self._wandb.log({VAL_GENERATIONS_KEY: table}, step=step)
 
     def close(self) -> None:
+        """Ends the trackers' runs; what they logged is on disk when it returns."""
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
             self._wandb = None
+            # finish() can return before wandb's service has written an offline run's log;
+            # teardown waits for the service to stop (atexit would, but only at exit).
+            wandb.teardown()
         if self._mlflow is not None:
             self._mlflow.close()
             self._mlflow = None

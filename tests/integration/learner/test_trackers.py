@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.sinks import MetricsSinks, mlflow_name, public_config, wandb_mode
+from rlmesh.learner.sinks import FileStoreNames, MetricsSinks, mlflow_name, public_config, wandb_mode
 from rlmesh.learner.validation import ValGeneration
 
 SECRET = "s3cret-t0ken-value"
@@ -38,7 +38,8 @@ def generations(step: int) -> list[ValGeneration]:
 
 
 def log_a_run(sinks: MetricsSinks) -> None:
-    """Two steps, each with a validation; a timestamp (JSONL only) and a name mlflow refuses."""
+    """Two steps, each with a validation; a timestamp (JSONL only), a name mlflow refuses and
+    one under another's name (a file store keeps each in a file at its name)."""
     for step in (1, 2):
         sinks.log_generations(step, generations(step))
         sinks.log(
@@ -46,6 +47,8 @@ def log_a_run(sinks: MetricsSinks) -> None:
             {
                 "actor/pg_loss": 0.5 * step,
                 "val/pass@1": 0.25 * step,
+                "val/score": 0.5,
+                "val/score/arithmetic": 0.5,
                 "timing_start/step": 1.7e9,
                 "actor/entropy": float("nan"),
             },
@@ -210,7 +213,9 @@ def test_mlflow_file_store_gets_params_metrics_and_a_generations_artifact_per_va
     }
     assert sorted(history["actor/pg_loss"]) == [(1, 0.5), (2, 1.0)]
     assert sorted(history["val/pass_at_1"]) == [(1, 0.25), (2, 0.5)]
-    assert set(run.data.metrics) == {"actor/pg_loss", "val/pass_at_1"}  # no timestamp, no NaN
+    # No timestamp, no NaN; val/score/arithmetic cannot be a file under the file val/score.
+    assert set(run.data.metrics) == {"actor/pg_loss", "val/pass_at_1", "val/score", "val/score-arithmetic"}
+    assert run.data.metrics["val/score-arithmetic"] == 0.5
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "val_generations")]
     assert sorted(artifacts) == ["val_generations/step_1.json", "val_generations/step_2.json"]
     local = client.download_artifacts(run.info.run_id, "val_generations/step_2.json", str(tmp_path))
@@ -227,6 +232,20 @@ def test_mlflow_names_are_ones_mlflow_accepts():
     assert mlflow_name("a//b/") == "a/b"
     assert mlflow_name("val/score/../x") == "val/score/_./x"
     assert len(mlflow_name("k" * 300)) == 250
+
+
+def test_file_store_names_never_put_a_metric_under_another():
+    names = FileStoreNames()
+    names.add(["val/score/arithmetic", "val/score", "a/b"])  # one batch: parents go first
+    assert [names(n) for n in ("val/score", "val/score/arithmetic", "a/b")] == [
+        "val/score",
+        "val/score-arithmetic",
+        "a/b",
+    ]
+    names.add(["a"])  # a later name that is already a directory
+    names.add(["a/b/c", "val/score/arithmetic"])
+    assert names("a") == "a/value" and names("a/b/c") == "a/b-c"
+    assert names("val/score/arithmetic") == "val/score-arithmetic"  # given once for the run
 
 
 def test_the_tracked_config_masks_secrets_and_keeps_token_counts():
@@ -257,7 +276,12 @@ def test_tensorboard_gets_scalars_per_step_and_generations_as_text(monkeypatch, 
     log_a_run(sinks)
     events = EventAccumulator(str(run_root / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    assert sorted(events.Tags()["scalars"]) == ["actor/pg_loss", "val/pass@1"]
+    assert sorted(events.Tags()["scalars"]) == [
+        "actor/pg_loss",
+        "val/pass@1",
+        "val/score",
+        "val/score/arithmetic",
+    ]
     assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 0.5), (2, 1.0)]
     texts = {
         e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("val/generations/text_summary")
