@@ -1,21 +1,6 @@
-"""Where step metrics go: a JSONL file, the console, Prometheus, and the experiment trackers named
-in ``trainer.logger`` (verl's names: ``wandb``, ``mlflow``, ``tensorboard``) when they are installed
-(``pip install 'rlmesh[trackers]'``); the same keys per step as verl.
-
-Validation generations (``trainer.log_val_generations``) go to the same places: the console, a
-``val_generations.jsonl`` next to ``metrics.jsonl``, a cumulative wandb table, an mlflow JSON
-artifact per step and a tensorboard text summary.
-
-Where the trackers write, when the environment does not say otherwise:
-
-- wandb: offline, under the run directory, when ``WANDB_MODE`` is unset and no credentials are
-  found (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or a ``wandb login`` in ~/.netrc):
-  a run never stops at a login prompt, and ``wandb sync`` uploads it later. ``WANDB_MODE`` and
-  ``WANDB_DIR`` are wandb's own and win.
-- mlflow: ``MLFLOW_TRACKING_URI``, else a file store at ``<run dir>/mlruns`` (where a metric
-  under another's name is renamed: ``val/score/<source>`` is ``val/score-<source>``).
-- tensorboard: ``TENSORBOARD_DIR`` (verl's variable), else ``<run dir>/tensorboard``.
-"""
+"""Where step metrics and validation generations go: metrics.jsonl, the console, Prometheus, and
+the trackers ``trainer.logger`` names (wandb, mlflow, tensorboard) with verl's keys; defaults and
+read-back tests in docs/train.md#experiment-trackers."""
 
 from __future__ import annotations
 

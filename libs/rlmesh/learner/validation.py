@@ -1,7 +1,6 @@
-"""Validation: generate for ``data.val_files`` through the rollout replicas (``Rollout.Generate``,
-greedy by default from ``rollout.val_kwargs``), score with the reward service, report
-``val/score`` overall and per data source, and keep every (prompt, response, score) so the learner
-can log the first ``trainer.log_val_generations`` of them (:func:`select_generations`)."""
+"""Validation: generate for ``data.val_files`` through the rollout replicas (greedy by default,
+``rollout.val_kwargs``), score with the reward service, report ``val/score`` overall and per
+data source, and keep the samples for ``trainer.log_val_generations``."""
 
 from __future__ import annotations
 
