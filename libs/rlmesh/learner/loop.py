@@ -409,7 +409,9 @@ class TrainingLoop:
                 if cfg.trainer.val_only:
                     # verl validates only when val_before_train is also set; here val_only is enough.
                     await self._validate(self.state.step, log=True)
-                    self.progress(f"trainer.val_only: validated the policy of step {self.state.step}, no training")
+                    self.progress(
+                        f"trainer.val_only: validated the policy of step {self.state.step}, no training"
+                    )
                     return
                 if cfg.trainer.val_before_train and self.val_set is not None and self.state.step == 0:
                     await self._validate(0, log=True)
