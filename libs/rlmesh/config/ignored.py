@@ -152,7 +152,6 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ),
     ("algorithm.pf_ppo", "preference-feedback PPO is not implemented (algorithm.use_pf_ppo must be false)"),
     ("algorithm.filter_groups", "DAPO's dynamic sampling is not implemented: every sampled group is trained"),
-    ("trainer.balance_batch", "each learner rank gets an equal share of the batch's samples"),
     ("trainer.rollout_data_dir", "trajectories are in Redis; export them with rlmesh export"),
     ("trainer.validation_data_dir", "use trainer.log_val_generations"),
     ("trainer.esi_redundant_time", "checkpoints are taken by save_freq and on SIGTERM"),

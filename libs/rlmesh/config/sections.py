@@ -341,7 +341,11 @@ class TrainerConfig(Section):
         description="device the learner trains on; cuda on a machine without one trains on the CPU with a "
         "warning; cpu stays off the GPUs",
     )
-    balance_batch: Any = compat(True)
+    balance_batch: bool = Field(
+        True,
+        description="give each learner rank an even share of the batch's tokens (verl's _balance_batch: "
+        "same row counts, rows spread longest first); false = contiguous shares. One rank: no effect",
+    )
     rollout_data_dir: Any = compat(None)
     validation_data_dir: Any = compat(None)
     esi_redundant_time: Any = compat(0)

@@ -56,8 +56,10 @@ class DeepSpeedPPOActor:
         seed: int,
         device: torch.device,
         share_prompts: bool = True,
+        balance_batch: bool = True,
     ) -> None:
         self.engine = engine
+        self.balance_batch = balance_batch
         self.scheduler = scheduler
         self.config = config
         self.rollout_n = rollout_n
@@ -96,7 +98,9 @@ class DeepSpeedPPOActor:
             assert entropy is not None
             return log_probs, entropy
 
-        plan = micro_batch_plan(batch, range(len(batch)), micro_batch_size, use_dynamic_bsz, max_token_len)
+        plan = micro_batch_plan(
+            batch, range(len(batch)), micro_batch_size, use_dynamic_bsz, max_token_len, self.balance_batch
+        )
         log_probs, entropy = forward_without_grad(self.engine, batch, fn, 2, plan, self.device)
         mask = batch.response_mask.bool()
         return log_probs * mask, entropy * mask
@@ -144,7 +148,9 @@ class DeepSpeedPPOActor:
                 self.engine, mb, self.temperature, calculate_entropy, self.share_prompts, self.pack
             )
 
-        for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
+        for micro in train_micro_batches(
+            self.engine, batch, rows, cfg, self.device, forward, self.balance_batch
+        ):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
             log_prob, entropy = micro.outputs
             # verl: with one mini-batch and one epoch the data is exactly on-policy; the ratio is

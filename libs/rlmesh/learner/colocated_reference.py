@@ -37,7 +37,7 @@ class ColocatedReference:
 
     :meth:`log_probs` runs the learner's own log-prob forward (:func:`actor_forward`, which the old
     log-probs use too, as verl's reference worker runs its actor's ``compute_log_prob``) over this
-    rank's micro-batches of the batch (``micro_batch_plan``: the ranks' contiguous shares, in
+    rank's micro-batches of the batch (``micro_batch_plan``: the ranks' shares (even in tokens with ``trainer.balance_batch``), in
     micro-batches of ``ref.log_prob_micro_batch_size_per_gpu``, or packed by
     ``ref.log_prob_max_token_len_per_gpu`` with ``ref.log_prob_use_dynamic_bsz``) and sums the
     shares over the ranks, so every rank ends with the whole batch's reference log-probs.
@@ -50,8 +50,10 @@ class ColocatedReference:
         micro_batch_size: int | None = None,
         use_dynamic_bsz: bool | None = False,
         max_token_len: int | None = None,
+        balance_batch: bool = True,
     ) -> None:
         self.model = model
+        self.balance_batch = balance_batch
         self.micro_batch_size = micro_batch_size
         self.use_dynamic_bsz = use_dynamic_bsz
         self.max_token_len = max_token_len
@@ -81,6 +83,7 @@ class ColocatedReference:
             ref.log_prob_micro_batch_size_per_gpu,
             ref.log_prob_use_dynamic_bsz,
             ref.log_prob_max_token_len_per_gpu,
+            cfg.trainer.balance_batch,
         )
 
     @torch.no_grad()
@@ -89,7 +92,12 @@ class ColocatedReference:
         rank calls it with the same batch (one all-reduce; the forwards are this rank's own)."""
         ref = self.model
         plan = micro_batch_plan(
-            batch, range(len(batch)), self.micro_batch_size, self.use_dynamic_bsz, self.max_token_len
+            batch,
+            range(len(batch)),
+            self.micro_batch_size,
+            self.use_dynamic_bsz,
+            self.max_token_len,
+            self.balance_batch,
         )
         out = torch.zeros(len(batch), batch.response_length, dtype=torch.float32)
         for rows in plan:

@@ -43,8 +43,10 @@ class DeepSpeedPPOCritic:
         seed: int,
         device: torch.device,
         share_prompts: bool = True,
+        balance_batch: bool = True,
     ) -> None:
         self.engine = engine
+        self.balance_batch = balance_batch
         self.scheduler = scheduler
         self.config = config
         self.rollout_n = rollout_n
@@ -72,6 +74,7 @@ class DeepSpeedPPOCritic:
             cfg.forward_micro_batch_size_per_gpu,
             cfg.use_dynamic_bsz,
             cfg.forward_max_token_len_per_gpu,
+            self.balance_batch,
         )
         (values,) = forward_without_grad(self.engine, batch, fn, 1, plan, self.device)
         return values * batch.response_mask
@@ -93,7 +96,9 @@ class DeepSpeedPPOCritic:
         def forward(mb: MicroBatch) -> tuple[torch.Tensor]:
             return (critic_forward(self.engine, mb, self.share_prompts, self.pack),)
 
-        for micro in train_micro_batches(self.engine, batch, rows, cfg, self.device, forward):
+        for micro in train_micro_batches(
+            self.engine, batch, rows, cfg, self.device, forward, self.balance_batch
+        ):
             micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
             (vpreds,) = micro.outputs
             vf_loss, vf_clipfrac = compute_value_loss(

@@ -101,8 +101,10 @@ def micro_batch_plan(
     micro_batch_size: int | None,
     use_dynamic_bsz: bool | None,
     max_token_len: int | None,
+    balance: bool = True,
 ) -> list[list[int]]:
-    """This rank's micro-batches of ``rows`` (see :func:`rlmesh.learner.partition.plan_micro_batches`)."""
+    """This rank's micro-batches of ``rows`` (see :func:`rlmesh.learner.partition.plan_micro_batches`);
+    ``balance``: ``trainer.balance_batch``, the ranks' shares even in tokens."""
     return plan_micro_batches(
         rows,
         world_size(),
@@ -111,6 +113,7 @@ def micro_batch_plan(
         use_dynamic_bsz=bool(use_dynamic_bsz),
         max_token_len=max_token_len,
         seq_lens=batch.attention_mask.sum(dim=1).tolist(),
+        balance=balance,
     )
 
 
@@ -198,6 +201,7 @@ def train_micro_batches(
     config: Any,
     device: torch.device,
     forward: Callable[[MicroBatch], tuple[Any, ...]],
+    balance: bool = True,
 ) -> Iterator[TrainMicroBatch]:
     """This rank's micro-batches of the global mini-batch ``rows`` in train mode, by the role's
     ``ppo_micro_batch_size_per_gpu`` / ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``: sets
@@ -211,6 +215,7 @@ def train_micro_batches(
         config.ppo_micro_batch_size_per_gpu,
         config.use_dynamic_bsz,
         config.ppo_max_token_len_per_gpu,
+        balance,
     )
     engine.train()
     for i, micro_rows in enumerate(plan):

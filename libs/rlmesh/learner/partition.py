@@ -24,16 +24,31 @@ def mini_batches(rows: Sequence[int], mini_batch_size: int) -> list[list[int]]:
     return [rows[i : i + mini_batch_size] for i in range(0, len(rows), mini_batch_size)]
 
 
-def shard_rows(rows: Sequence[int], dp_size: int) -> list[list[int]]:
-    """Contiguous shares for ``dp_size`` ranks; sizes differ by at most one, earlier ranks larger."""
+def shard_rows(rows: Sequence[int], dp_size: int, seq_lens: Sequence[int] | None = None) -> list[list[int]]:
+    """Shares for ``dp_size`` ranks; sizes differ by at most one, earlier ranks larger.
+
+    Without ``seq_lens``: contiguous. With them (``trainer.balance_batch``, as verl's
+    ``_balance_batch``): the same sizes, with the tokens spread evenly — rows longest first, each
+    to the rank with the fewest tokens that still has room; each share keeps the rows' order.
+    ``seq_lens`` is indexed by row.
+    """
     rows = list(rows)
     base, extra = divmod(len(rows), dp_size)
-    shards, start = [], 0
-    for r in range(dp_size):
-        size = base + (1 if r < extra else 0)
-        shards.append(rows[start : start + size])
-        start += size
-    return shards
+    sizes = [base + (1 if r < extra else 0) for r in range(dp_size)]
+    if seq_lens is None:
+        shards, start = [], 0
+        for size in sizes:
+            shards.append(rows[start : start + size])
+            start += size
+        return shards
+    position = {row: i for i, row in enumerate(rows)}
+    balanced: list[list[int]] = [[] for _ in range(dp_size)]
+    tokens = [0] * dp_size
+    for row in sorted(rows, key=lambda r: (-seq_lens[r], position[r])):
+        rank = min((r for r in range(dp_size) if len(balanced[r]) < sizes[r]), key=lambda r: (tokens[r], r))
+        balanced[rank].append(row)
+        tokens[rank] += seq_lens[row]
+    return [sorted(share, key=position.__getitem__) for share in balanced]
 
 
 def fixed_micro_batches(rows: Sequence[int], micro_batch_size: int | None) -> list[list[int]]:
@@ -102,6 +117,7 @@ def plan_micro_batches(
     use_dynamic_bsz: bool = False,
     max_token_len: int | None = None,
     seq_lens: Sequence[int] | None = None,
+    balance: bool = False,
 ) -> list[list[int]]:
     """This rank's micro-batches of ``rows``; as many on every rank (empty lists pad the short ones).
 
@@ -111,8 +127,11 @@ def plan_micro_batches(
         micro_batch_size: rows per micro-batch (None = the whole shard) when not dynamic.
         use_dynamic_bsz: pack by tokens instead (needs ``max_token_len`` and ``seq_lens``).
         seq_lens: token count of every row of the batch, indexed by row.
+        balance: spread the tokens evenly over the ranks (needs ``seq_lens``; see :func:`shard_rows`).
     """
-    shards = shard_rows(rows, dp_size)
+    if balance and seq_lens is None:
+        raise ValueError("balance needs seq_lens")
+    shards = shard_rows(rows, dp_size, seq_lens if balance else None)
 
     def split(shard: list[int], min_count: int = 1) -> list[list[int]]:
         if use_dynamic_bsz:

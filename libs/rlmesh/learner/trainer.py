@@ -103,6 +103,7 @@ class PPOTrainer:
             norm_len=norm_len,
             seed=self.seed,
             device=self.device,
+            balance_batch=config.trainer.balance_batch,
         )
 
         self.critic: DeepSpeedPPOCritic | None = None
@@ -136,6 +137,7 @@ class PPOTrainer:
                 norm_len=norm_len,
                 seed=self.seed,
                 device=self.device,
+                balance_batch=config.trainer.balance_batch,
             )
 
         # Frozen and outside DeepSpeed: rebuilt from its path, never checkpointed.

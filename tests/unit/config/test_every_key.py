@@ -86,7 +86,7 @@ def test_a_verl_command_line_gets_one_warning_naming_exactly_its_ignored_keys():
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
-        "trainer.balance_batch=false",
+        "actor_rollout_ref.rollout.enforce_eager=true",
         "critic.model.fsdp_config.wrap_policy.min_num_params=100",
     ]
     with warnings.catch_warnings(record=True) as caught:
@@ -100,9 +100,9 @@ def test_a_verl_command_line_gets_one_warning_naming_exactly_its_ignored_keys():
     assert listed == [
         "actor_rollout_ref.actor.strategy",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "actor_rollout_ref.rollout.enforce_eager",
         "actor_rollout_ref.rollout.mode",
         "critic.model.fsdp_config.wrap_policy",
-        "trainer.balance_batch",
     ]
     assert [k for k, _, _ in ignored_keys(None, line)] == listed
 
@@ -117,10 +117,10 @@ def test_a_config_without_ignored_keys_gets_no_such_warning():
 def test_the_resolved_config_a_service_loads_repeats_no_default_ignored_key(tmp_path: Path):
     from rlmesh.config import dump_yaml
 
-    cfg = load_config(None, ["trainer.balance_batch=false"], warn=False)
+    cfg = load_config(None, ["actor_rollout_ref.rollout.enforce_eager=true"], warn=False)
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_yaml(cfg))
-    assert [k for k, _, _ in ignored_keys(path)] == ["trainer.balance_batch"]
+    assert [k for k, _, _ in ignored_keys(path)] == ["actor_rollout_ref.rollout.enforce_eager"]
     assert load_config(path, warn=False) == cfg
 
 

@@ -44,3 +44,34 @@ def test_plan_gives_every_rank_the_same_count():
                               seq_lens=lens) for r in range(2)]  # fmt: skip
     assert len(dyn[0]) == len(dyn[1])
     assert sorted(x for plan in dyn for p in plan for x in p) == list(range(6))
+
+
+def test_balanced_shares_keep_the_sizes_and_even_out_the_tokens():
+    # A long-tail batch in collection order: the contiguous split puts every long row on rank 0.
+    lens = {r: n for r, n in enumerate([900, 800, 700, 600, 10, 10, 10, 10, 10, 10, 10, 10])}
+    rows = list(lens)
+    for dp in (2, 3, 4):
+        contiguous = shard_rows(rows, dp)
+        balanced = shard_rows(rows, dp, lens)
+        assert [len(s) for s in balanced] == [len(s) for s in contiguous]
+        assert sorted(r for s in balanced for r in s) == rows  # every row once
+        assert all(s == sorted(s) for s in balanced)  # each share in the rows' order
+        spread = [sum(lens[r] for r in s) for s in balanced]
+        assert max(spread) - min(spread) < max(sum(lens[r] for r in s) for s in contiguous) - min(
+            sum(lens[r] for r in s) for s in contiguous
+        )
+    # Four ranks: each gets one of the four long rows.
+    assert sorted(sum(r < 4 for r in s) for s in shard_rows(rows, 4, lens)) == [1, 1, 1, 1]
+
+
+def test_every_rank_plans_from_the_same_balanced_shares():
+    lens = [50, 5, 40, 5, 30, 5, 20, 5]
+    plans = [
+        plan_micro_batches(range(8), 2, rank, micro_batch_size=2, seq_lens=lens, balance=True)
+        for rank in (0, 1)
+    ]
+    assert sorted(r for plan in plans for mb in plan for r in mb) == list(range(8))
+    tokens = [sum(lens[r] for mb in plan for r in mb) for plan in plans]
+    assert abs(tokens[0] - tokens[1]) <= 10  # contiguous: 100 vs 60
+    with pytest.raises(ValueError, match="balance needs seq_lens"):
+        plan_micro_batches(range(8), 2, 0, micro_batch_size=2, balance=True)
