@@ -29,7 +29,17 @@ from rlmesh.queue import ROLLOUT_GROUP, ReplicaRegistry, RunKeys, connect
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, rollout_pb2_grpc
-from tests.support.jobs import KILL_AT, RECOVERY_BOUND_S, Files, Job, audit, overrides, step_line
+from tests.support.jobs import (
+    KILL_AT,
+    LONG_RUN_STEPS,
+    RECOVERY_BOUND_S,
+    Files,
+    Job,
+    overrides,
+    step_line,
+    steps_started_after,
+    stop_and_audit,
+)
 from tests.support.netproxy import PartitionableProxy
 from tests.support.polling import wait_until
 from tests.support.repo import CPU_DEMO
@@ -37,8 +47,6 @@ from tests.support.repo import CPU_DEMO
 pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 
 RUN_ID = "chaos-partition"
-# Steps take well under a second here; the outside replica's start-up alone takes ~20 s.
-STEPS = 300
 OUTSIDE = "rollout-outside"
 
 
@@ -75,7 +83,13 @@ def claims_held_by(redis_url: str, consumer: str) -> int:
 @pytest.mark.timeout(900)
 def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_twice(files: Files, tmp_path):
     run_dir = tmp_path / "run"
-    common = [*overrides(files, run_dir, STEPS), f"rlmesh.run_id={RUN_ID}", "rlmesh.weight_sync.timeout_s=10"]
+    # The reference as a service (the demo colocates it): the outside replica calls it too.
+    common = [
+        *overrides(files, run_dir, LONG_RUN_STEPS),
+        f"rlmesh.run_id={RUN_ID}",
+        "rlmesh.weight_sync.timeout_s=10",
+        "rlmesh.reference.colocated=false",
+    ]
     job = Job.start(["-c", str(CPU_DEMO), *common, "rlmesh.rollout.replicas=1"])
     proxies: list[PartitionableProxy] = []
     try:
@@ -90,7 +104,7 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
             PartitionableProxy("127.0.0.1", engine_port),
         )
         proxies = [reward, reference, redis_proxy, to_replica, to_engine]
-        job.wait_for(step_line(KILL_AT, STEPS), timeout_s=240)
+        job.wait_for(step_line(KILL_AT, LONG_RUN_STEPS), timeout_s=240)
         with ProcessLauncher(tmp_path / "outside", stop_grace_s=10) as launcher:
             launcher.start_service(
                 "rollout",
@@ -114,8 +128,12 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
 
             for proxy in proxies:
                 proxy.partition()
-            cut_at, done = time.time(), job.last_step()
-            job.wait_for(step_line(done + 2, STEPS), timeout_s=RECOVERY_BOUND_S)
+            cut_at = time.time()
+            wait_until(
+                lambda: len(steps_started_after(run_dir, cut_at)) >= 2,
+                RECOVERY_BOUND_S,
+                "two steps after the cut",
+            )
             wait_until(lambda: OUTSIDE not in registered(redis_url), RECOVERY_BOUND_S, f"{OUTSIDE} to expire")
             # Longer than the claim timeout: whatever it had claimed, the other replica took over.
             wait_until(
@@ -138,7 +156,7 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
                 f"{OUTSIDE} to work again",
             )
             back_s = time.time() - healed_at
-            assert job.finish(timeout_s=400) == 0, job.tail()
+            stop_and_audit(job, files, run_dir)
     finally:
         if job.proc.poll() is None:
             job.proc.send_signal(signal.SIGINT)
@@ -149,4 +167,3 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
         f"\n[chaos] partition of {OUTSIDE}: run went 2 steps on, replica expired and its claims taken over "
         f"{went_on_s:.1f} s after the cut; back at work {back_s:.1f} s after the heal"
     )
-    audit(files, run_dir, STEPS)

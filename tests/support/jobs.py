@@ -28,6 +28,9 @@ from tests.support.processes import child_env
 from tests.support.repo import CPU_DEMO, REPO
 
 STEPS = 10
+# Chaos runs planned longer than their failures take on any machine, stopped by Ctrl-C after them
+# (a step of the demo takes 0.1 s on a fast machine: a fixed plan could end before the last one).
+LONG_RUN_STEPS = 100_000
 KILL_AT = 3  # the kill comes once this step is done (or a later one: lines come per poll)
 RECOVERY_BOUND_S = 90  # per failure, with the scaled-down settings below
 BATCH, N = 8, 2
@@ -216,10 +219,34 @@ def audit_groups(groups_path: Path, plan: dict[int, list[int]], n: int) -> None:
     assert len(set(groups)) == len(groups), "a group was trained on in two steps"
 
 
+def committed_steps(run_dir: Path) -> int:
+    """The last step the learner committed (its ``trained_groups.jsonl``)."""
+    rows = (run_dir / "trained_groups.jsonl").read_text().splitlines()
+    return max(json.loads(line)["step"] for line in rows)
+
+
+def stop_and_audit(job: Job, files: Files, run_dir: Path) -> int:
+    """Ctrl-C a long job (it stops cleanly: exit 130) and audit every step it committed; returns
+    how many. For chaos runs planned longer than their failures take on any machine."""
+    job.proc.send_signal(signal.SIGINT)
+    assert job.finish(timeout_s=240) == 130, job.tail()
+    committed = committed_steps(run_dir)
+    audit(files, run_dir, committed)
+    return committed
+
+
+def steps_started_after(run_dir: Path, at: float) -> list[dict[str, float]]:
+    """The learner's metrics rows of the steps that started at or after ``at`` (Unix time). The
+    job's progress lines lag the learner by a poll: a step printed after a kill may have begun
+    before it."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r.get("timing_start/step", 0) >= at]
+
+
 def recovery_s(run_dir: Path, killed_at: float) -> float:
     """Seconds from the kill until the first step that started after it was done (the learner's
     own timings): how long the failure held the run up, plus one step."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    after = [r for r in rows if r.get("timing_start/step", 0) >= killed_at]
+    after = steps_started_after(run_dir, killed_at)
     assert after, "no step started after the kill"
     return after[0]["timing_start/step"] + after[0]["timing_s/step"] - killed_at
