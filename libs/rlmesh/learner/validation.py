@@ -79,31 +79,6 @@ def select_generations(samples: Sequence[ValGeneration], count: int) -> list[Val
     return chosen[:count]
 
 
-async def validate(
-    items: Sequence[PromptItem],
-    *,
-    replicas: Sequence[str],
-    score: Callable[[list[reward_pb2.RewardSample]], Any],
-    decode: Callable[[list[int]], str],
-    sampling: common_pb2.SamplingParams,
-    batch_size: int = 64,
-    token: str | None = None,
-    timeout_s: float = 600.0,
-) -> dict[str, float]:
-    """:func:`run_validation`'s metrics alone."""
-    result = await run_validation(
-        items,
-        replicas=replicas,
-        score=score,
-        decode=decode,
-        sampling=sampling,
-        batch_size=batch_size,
-        token=token,
-        timeout_s=timeout_s,
-    )
-    return result.metrics
-
-
 async def run_validation(
     items: Sequence[PromptItem],
     *,

@@ -11,7 +11,7 @@ import pytest
 
 from rlmesh.config import load_config
 from rlmesh.learner.sinks import VAL_GENERATIONS_FILE, MetricsSinks
-from rlmesh.learner.validation import run_validation, select_generations, val_sampling, validate
+from rlmesh.learner.validation import run_validation, select_generations, val_sampling
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items
 
@@ -81,14 +81,6 @@ async def test_a_validation_keeps_every_sample_with_its_prompt_answer_score_and_
         assert s.score == (0.0 if s.index == 3 else float(s.sample_index == 1))
     assert result.metrics["val/score"] == pytest.approx(sum(s.score for s in samples) / 20)
     assert result.metrics["val/score/arithmetic"] == result.metrics["val/score"]
-    # The metrics-only entry point the learner used before still answers the same.
-    assert await validate(
-        prompt_items(10),
-        replicas=[replica],
-        score=score,
-        decode=decode,
-        sampling=val_sampling(config().actor_rollout_ref.rollout.val_kwargs, 4),
-    ) == pytest.approx(result.metrics)
 
 
 async def test_log_val_generations_writes_exactly_that_many_samples_to_the_jsonl_sink(replica, tmp_path):
