@@ -104,7 +104,8 @@ trainer:
   max_actor_ckpt_to_keep: 1
   test_freq: {steps}
   val_before_train: true
-  logger: [console]
+  log_val_generations: 2
+  logger: [console, tensorboard]
   project_name: byo
   experiment_name: digits
   default_local_dir: {run_dir}
@@ -280,6 +281,17 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
         for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "timing_s/step"):
             assert key in r, (r["step"], key)
     assert [r["step"] for r in rows if "val/score" in r] == [0, STEPS]
+    # trainer.log_val_generations: two of each validation's samples, the user's own prompts.
+    generations = [json.loads(ln) for ln in (user.run_dir / "val_generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in generations] == [0, STEPS]
+    assert all(len(g["samples"]) == 2 for g in generations)
+    assert {s["input"] for g in generations for s in g["samples"]} <= set(user.val_prompts)
+    # The tensorboard sink, read back: every step's score scalar.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(user.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("critic/score/mean")] == list(range(1, STEPS + 1))
     assert summary["steps"] == STEPS
     assert summary["acc_before"] == rows[0]["val/score"] and summary["acc_after"] == rows[-1]["val/score"]
     assert Path(summary["checkpoint_dir"]) == user.run_dir
