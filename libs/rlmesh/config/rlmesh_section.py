@@ -151,6 +151,12 @@ class LearnerServiceConfig(ServiceConfig):
         "CUDA, gloo on CPU); a config that sets trainer.n_gpus_per_node and not this key gets that "
         "number; under torchrun or deepspeed the launcher's ranks apply instead",
     )
+    start_paused: bool = Field(
+        False,
+        description="hold before the first step (after the first weight push and val_before_train) until "
+        "resumed: the control plane's POST /api/v1/run/resume, rlmesh ctl resume or Learner.Resume. "
+        "`rlmesh up` sets it, so a stack check trains nothing",
+    )
     torch_threads: int = Field(
         0,
         ge=0,

@@ -256,7 +256,7 @@ def run_stack(
     hold: bool = False,
     workdir: str | None = None,
 ) -> int:
-    from rlmesh.config import ConfigError, load_config
+    from rlmesh.config import ConfigError, given_keys, load_config
 
     names = [s for s in (services.split(",") if isinstance(services, str) else services) if s]
     try:
@@ -271,7 +271,14 @@ def run_stack(
     workdir = workdir or str(Path("runs") / run_id)
     with ProcessLauncher(workdir, stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s) as launcher:
         print(f"[rlmesh up] run {run_id}: logs in {launcher.workdir / 'logs'}", flush=True)
-        common = [*overrides, f"rlmesh.run_id={run_id}"]
+        # A check of the stack, not a run: the learner holds before its first step (resume it over
+        # the control plane to train) unless the user says otherwise.
+        paused = (
+            []
+            if "rlmesh.learner.start_paused" in given_keys(config_path, overrides)
+            else ["rlmesh.learner.start_paused=true"]
+        )
+        common = [*overrides, f"rlmesh.run_id={run_id}", *paused]
         model_path = Path(cfg.actor_rollout_ref.model.path).expanduser()
         if not model_path.exists():
             model_path = _tiny_model(launcher.workdir / "tiny-model")

@@ -116,7 +116,7 @@ class TrainingLoop:
         follower: bool = False,
     ) -> None:
         self.cfg = cfg
-        self.state = LoopState()
+        self.state = LoopState(paused=cfg.rlmesh.learner.start_paused)
         self.keys = RunKeys(cfg.rlmesh.run_id or "default")
         self.tokenizer = load_tokenizer(cfg.tokenizer_path())
         self.train_set = RLHFDataset.from_config(cfg.data, self.tokenizer, split="train")

@@ -73,3 +73,8 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     pids.append(int(re.search(r"redis\s+pid (\d+)", out.stdout).group(1)))
     assert "all processes stopped" in out.stdout
     assert not any(pid_alive(p) for p in pids)
+    # A check, not a run: the learner held before its first step (rlmesh.learner.start_paused)
+    # instead of training the check's tiny data with the default batch shape.
+    logs = REPO / re.search(r"logs in (\S+)", out.stdout)[1]
+    learner_log = (logs / "learner.log").read_text()
+    assert "training failed" not in learner_log and "[learner] step 1:" not in learner_log, learner_log[-2000:]
