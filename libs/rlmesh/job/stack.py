@@ -21,6 +21,7 @@ from rlmesh.runtime.launcher import (
     ProcessLauncher,
     RedisInstance,
     ServiceInstance,
+    ServiceRequest,
 )
 from rlmesh.v1 import (
     common_pb2,
@@ -167,8 +168,10 @@ def start_stack(
     services: Sequence[str] = STACK_ORDER,
     say: Callable[[str], None] = print,
 ) -> Stack:
-    """Starts what the config needs on this machine, in dependency order, each service on free
-    ports and healthy before the next starts; raises ``LaunchError`` naming the one that failed.
+    """Starts what the config needs on this machine, each service on free ports, in three waves
+    of services started side by side (reward and reference; the replicas and the learner; the
+    control plane), each wave healthy before the next starts; raises ``LaunchError`` naming the
+    one that failed.
 
     Attaches instead of starting where the config points at something running: Redis when
     ``rlmesh.redis_url`` is given, reward / reference when ``rlmesh.<svc>.addresses`` lists them,
@@ -196,20 +199,32 @@ def start_stack(
         config_path=config_path,
     )
 
-    def start(service: str, name: str, extra: Sequence[str] = (), note: str = "") -> ServiceInstance:
-        wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
-        instance = launcher.start_service(
-            service,
-            name=name,
-            config_path=config_path,
-            overrides=[*stack.overrides, *free_port_overrides(service), *extra],
-            timeout_s=wait_s,
-        )
-        stack.started.append(instance)
-        stack.specs[name] = (service, list(extra), wait_s)
-        say(f"{name:<12} {instance.grpc_address} (pid {instance.process.pid}{note})")
-        return instance
+    def start_side_by_side(specs: Sequence[tuple[str, str, Sequence[str], str]]) -> list[ServiceInstance]:
+        """Starts ``(service, name, extra overrides, note)`` each, all at once (none needs another's
+        address), and reports them in order once every one is healthy; raises for the first to
+        fail."""
+        requests = []
+        for service, name, extra, _ in specs:
+            wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
+            stack.specs[name] = (service, list(extra), wait_s)
+            requests.append(
+                ServiceRequest(
+                    service,
+                    name=name,
+                    config_path=config_path,
+                    overrides=[*stack.overrides, *free_port_overrides(service), *extra],
+                    timeout_s=wait_s,
+                )
+            )
+        instances = launcher.start_services(requests)
+        for (_, name, _, note), instance in zip(specs, instances, strict=True):
+            stack.started.append(instance)
+            say(f"{name:<12} {instance.grpc_address} (pid {instance.process.pid}{note})")
+        return instances
 
+    # Three waves, each side by side: reward and reference; the replicas and the learner (they
+    # need the reward's address); the control plane (it needs the learner's).
+    first = []
     for service in ("reward", "reference"):
         given = getattr(cfg.rlmesh, service).addresses
         if service == "reference" and cfg.rlmesh.reference.colocated:
@@ -219,8 +234,10 @@ def start_stack(
             stack.attached[service] = list(given)
             say(f"{service:<12} {', '.join(given)} (given: not started here)")
         elif service in services:
-            instance = start(service, service)
-            stack.overrides.append(f"rlmesh.{service}.addresses=['{instance.grpc_address}']")
+            first.append((service, service, (), ""))
+    for (service, *_), instance in zip(first, start_side_by_side(first), strict=True):
+        stack.overrides.append(f"rlmesh.{service}.addresses=['{instance.grpc_address}']")
+    second = []
     if "rollout" in services:
         replicas = cfg.rlmesh.rollout.replicas
         if replicas == 0:
@@ -230,22 +247,30 @@ def start_stack(
             )
         engine = cfg.actor_rollout_ref.rollout.name
         for i in range(replicas):
-            start("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")
+            second.append(
+                ("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")
+            )
     if "learner" in services:
         ranks = cfg.rlmesh.learner.ranks
-        learner = start("learner", "learner", note=f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
-        if "control" in services and cfg.rlmesh.control.enabled:
-            # On its configured port when one was given (people and scripts dial it), else a free one.
-            given = given_keys(config_path, overrides)
-            port = (
-                [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
-            )
-            control = start(
-                "control", "control", [f"rlmesh.learner.addresses=['{learner.grpc_address}']", *port]
-            )
-            say(
-                f"{'':<12} control plane: http://{control.grpc_address}/docs (rlmesh ctl --url http://{control.grpc_address})"
-            )
+        second.append(("learner", "learner", (), f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}"))
+    started = dict(zip([name for _, name, _, _ in second], start_side_by_side(second), strict=True))
+    if "learner" in started and "control" in services and cfg.rlmesh.control.enabled:
+        # On its configured port when one was given (people and scripts dial it), else a free one.
+        given = given_keys(config_path, overrides)
+        port = [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
+        [control] = start_side_by_side(
+            [
+                (
+                    "control",
+                    "control",
+                    [f"rlmesh.learner.addresses=['{started['learner'].grpc_address}']", *port],
+                    "",
+                )
+            ]
+        )
+        say(
+            f"{'':<12} control plane: http://{control.grpc_address}/docs (rlmesh ctl --url http://{control.grpc_address})"
+        )
     return stack
 
 

@@ -5,6 +5,7 @@ docs/reliability.md#guards-that-keep-a-long-run-bounded"""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -63,6 +64,31 @@ def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+
+
+@dataclass
+class ServiceRequest:
+    """One service for :meth:`ProcessLauncher.start_services` (the arguments of ``start_service``)."""
+
+    service: str
+    name: str | None = None
+    config_path: str | os.PathLike[str] | None = None
+    overrides: Sequence[str] = ()
+    env: dict[str, str] | None = None
+    timeout_s: float = 120.0
+    argv_prefix: Sequence[str] | None = None
+    also_alive: Sequence[ManagedProcess] = ()
+
+
+def _service_ready(proc: ManagedProcess, ready_file: Path) -> bool:
+    """Its ready file is written and it answers health: gRPC SERVING, or for an HTTP service (the
+    control plane) ``/health`` 200."""
+    if not ready_file.exists():
+        return False
+    proc.info = json.loads(ready_file.read_text())
+    if proc.info.get("protocol") == "http":
+        return http_ok(f"http://{dial_address(proc.info)}/health", timeout_s=1.0)
+    return grpc_health(dial_address(proc.info), timeout_s=1.0) == "SERVING"
 
 
 def dial_address(ready: dict) -> str:
@@ -228,26 +254,40 @@ class ProcessLauncher:
     ) -> None:
         """Polls ``ready`` until it holds; fails fast if the child (or one of ``also_alive``, the
         processes its start-up depends on) exits, naming it with its log."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for p in (proc, *also_alive):
-                if not p.alive():
-                    headline = f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up"
+        self.wait_all_ready([(proc, ready, timeout_s, also_alive)])
+
+    def wait_all_ready(
+        self, waits: Sequence[tuple[ManagedProcess, Callable[[], bool], float, Sequence[ManagedProcess]]]
+    ) -> None:
+        """:meth:`wait_ready` for several children at once, each ``(proc, ready, timeout_s,
+        also_alive)``: returns when every one is ready, raises for the first that fails. (One
+        polling loop in the calling thread: a child's parent-death signal is tied to the thread
+        that spawned it, so children are spawned and waited on here, never in worker threads.)"""
+        start = time.monotonic()
+        pending = list(waits)
+        while pending:
+            for proc, ready, timeout_s, also_alive in list(pending):
+                for p in (proc, *also_alive):
+                    if not p.alive():
+                        headline = (
+                            f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up"
+                        )
+                        raise LaunchError(
+                            f"{headline}; last lines of {p.log_path}:\n{p.log_tail()}",
+                            headline=headline,
+                            log_path=p.log_path,
+                        )
+                if ready():
+                    pending.remove((proc, ready, timeout_s, also_alive))
+                elif time.monotonic() - start > timeout_s:
+                    headline = f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s"
                     raise LaunchError(
-                        f"{headline}; last lines of {p.log_path}:\n{p.log_tail()}",
+                        f"{headline}; last lines of {proc.log_path}:\n{proc.log_tail()}",
                         headline=headline,
-                        log_path=p.log_path,
+                        log_path=proc.log_path,
                     )
-            if ready():
-                return
-            if time.monotonic() > deadline:
-                headline = f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s"
-                raise LaunchError(
-                    f"{headline}; last lines of {proc.log_path}:\n{proc.log_tail()}",
-                    headline=headline,
-                    log_path=proc.log_path,
-                )
-            time.sleep(0.05)
+            if pending:
+                time.sleep(0.05)
 
     def start_redis(
         self,
@@ -345,32 +385,46 @@ class ProcessLauncher:
         """Runs ``rlmesh serve <service>`` and waits for its ready file and gRPC health SERVING
         (an HTTP service's, the control plane's, ``/health`` answering 200), failing fast if it or
         one of ``also_alive`` exits first."""
-        name = name or service
-        ready_file = self.workdir / f"{name}.ready.json"
-        ready_file.unlink(missing_ok=True)
-        argv = list(argv_prefix or [sys.executable, "-m", "rlmesh.cli", "serve", service])
-        argv += ["--ready-file", str(ready_file)]
-        if config_path:
-            argv += ["--config", str(config_path)]
-        argv += list(overrides)
-        proc = self.spawn(name, argv, env)
-
-        def ready() -> bool:
-            if not ready_file.exists():
-                return False
-            proc.info = json.loads(ready_file.read_text())
-            if proc.info.get("protocol") == "http":  # the control plane: REST, its /health
-                return http_ok(f"http://{dial_address(proc.info)}/health", timeout_s=1.0)
-            return grpc_health(dial_address(proc.info), timeout_s=1.0) == "SERVING"
-
-        self.wait_ready(proc, ready, timeout_s, also_alive)
-        metrics_port = proc.info.get("metrics_port")
-        return ServiceInstance(
-            process=proc,
-            name=name,
-            grpc_address=dial_address(proc.info),
-            metrics_port=int(metrics_port) if metrics_port is not None else None,
+        [instance] = self.start_services(
+            [
+                ServiceRequest(
+                    service, name, config_path, list(overrides), env, timeout_s, argv_prefix, list(also_alive)
+                )
+            ]
         )
+        return instance
+
+    def start_services(self, requests: Sequence[ServiceRequest]) -> list[ServiceInstance]:
+        """:meth:`start_service` for several services side by side: all are spawned, then waited
+        on together; raises for the first that fails (the others keep running until this
+        launcher stops them)."""
+        waits = []
+        for r in requests:
+            name = r.name or r.service
+            ready_file = self.workdir / f"{name}.ready.json"
+            ready_file.unlink(missing_ok=True)
+            argv = list(r.argv_prefix or [sys.executable, "-m", "rlmesh.cli", "serve", r.service])
+            argv += ["--ready-file", str(ready_file)]
+            if r.config_path:
+                argv += ["--config", str(r.config_path)]
+            argv += list(r.overrides)
+            proc = self.spawn(name, argv, r.env)
+            waits.append(
+                (proc, functools.partial(_service_ready, proc, ready_file), r.timeout_s, r.also_alive)
+            )
+        self.wait_all_ready(waits)
+        instances = []
+        for (proc, *_), r in zip(waits, requests, strict=True):
+            metrics_port = proc.info.get("metrics_port")
+            instances.append(
+                ServiceInstance(
+                    process=proc,
+                    name=r.name or r.service,
+                    grpc_address=dial_address(proc.info),
+                    metrics_port=int(metrics_port) if metrics_port is not None else None,
+                )
+            )
+        return instances
 
     def start_learner(
         self,

@@ -15,11 +15,16 @@ REDIS = "rlmesh.redis_url=redis://127.0.0.1:1/0"  # given: no Redis is started
 class RecordingLauncher:
     def __init__(self) -> None:
         self.started: list[tuple[str, str, list[str]]] = []
+        self.waves: list[list[str]] = []  # names started side by side, wave by wave
 
-    def start_service(self, service, *, name, config_path, overrides, timeout_s):
-        self.started.append((service, name, list(overrides)))
-        process = SimpleNamespace(pid=1000 + len(self.started))
-        return ServiceInstance(process, name, f"127.0.0.1:{6000 + len(self.started)}", None)
+    def start_services(self, requests):
+        instances = []
+        for r in requests:
+            self.started.append((r.service, r.name, list(r.overrides)))
+            process = SimpleNamespace(pid=1000 + len(self.started))
+            instances.append(ServiceInstance(process, r.name, f"127.0.0.1:{6000 + len(self.started)}", None))
+        self.waves.append([r.name for r in requests])
+        return instances
 
 
 def stack_of(*overrides: str) -> tuple[list[str], list[str], list[str]]:
@@ -62,3 +67,19 @@ def test_the_control_plane_starts_last_pointed_at_the_learner():
     assert control_overrides("rlmesh.control.enabled=false") is None
     given = control_overrides("rlmesh.control.port=8123")
     assert given[-1] == "rlmesh.control.port=8123"  # after the free-port override: it wins
+
+
+def test_services_start_in_three_waves_each_side_by_side():
+    launcher = RecordingLauncher()
+    start_stack(
+        launcher,
+        None,
+        [REDIS, "algorithm.use_kl_in_reward=true", "rlmesh.rollout.replicas=2"],
+        say=lambda line: None,
+    )
+    # Replicas and learner need the reward's and reference's addresses; control needs the learner's.
+    assert launcher.waves == [["reward", "reference"], ["rollout-0", "rollout-1", "learner"], ["control"]]
+    by_name = {name: overrides for _, name, overrides in launcher.started}
+    for name in ("rollout-0", "rollout-1", "learner"):
+        assert "rlmesh.reward.addresses=['127.0.0.1:6001']" in by_name[name]
+        assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in by_name[name]
