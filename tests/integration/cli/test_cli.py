@@ -77,4 +77,5 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     # instead of training the check's tiny data with the default batch shape.
     logs = REPO / re.search(r"logs in (\S+)", out.stdout)[1]
     learner_log = (logs / "learner.log").read_text()
-    assert "training failed" not in learner_log and "[learner] step 1:" not in learner_log, learner_log[-2000:]
+    tail = learner_log[-2000:]
+    assert "training failed" not in learner_log and "[learner] step 1:" not in learner_log, tail
