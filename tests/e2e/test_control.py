@@ -75,6 +75,18 @@ def test_a_running_job_is_driven_through_the_control_plane(tmp_path):
             assert r.status_code == 200, r.text
             assert [w["address"] for w in api.get("/rewards").json()["rewards"]] == [reward2.grpc_address]
             swapped_at = max(logged())
+
+            def reward2_calls() -> float:
+                found = re.search(
+                    r"^rlmesh_reward_batch_size_count (\S+)$",
+                    scrape_metrics("127.0.0.1", reward2.metrics_port),
+                    re.M,
+                )
+                return float(found[1]) if found else 0.0
+
+            # Replicas take the new address when they next read it: a fast machine runs several
+            # steps before then, so wait for the second service's first Score calls, not for steps.
+            wait_until(lambda: reward2_calls() > 0, 120, "the second reward service to score", every_s=0.2)
             wait_for_step(max(swapped_at + 3, 6))
 
             # Pause: the learner ends its step and holds.
