@@ -127,17 +127,22 @@ def wandb_env(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def test_wandb_without_credentials_logs_offline_config_metrics_and_a_cumulative_table(wandb_env, tmp_path):
-    assert wandb_mode() == "offline"
-    run_root = tmp_path / "run"
-    sinks = MetricsSinks(
-        ["wandb"],
+def tracker_sinks(logger: str, run_root: Path) -> MetricsSinks:
+    """The sinks of a run under ``run_root`` with one tracker and the test's config."""
+    return MetricsSinks(
+        [logger],
         jsonl_path=run_root / "metrics.jsonl",
         registry=None,
         project="proj",
         experiment="exp",
         config=CONFIG,
     )
+
+
+def test_wandb_without_credentials_logs_offline_config_metrics_and_a_cumulative_table(wandb_env, tmp_path):
+    assert wandb_mode() == "offline"
+    run_root = tmp_path / "run"
+    sinks = tracker_sinks("wandb", run_root)
     log_a_run(sinks)
     (run_dir,) = (run_root / "wandb").glob("offline-run-*")
     config, history = wandb_history(run_dir)
@@ -187,14 +192,7 @@ def test_mlflow_file_store_gets_params_metrics_and_a_generations_artifact_per_va
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after the test
     run_root = tmp_path / "run"
-    sinks = MetricsSinks(
-        ["mlflow"],
-        jsonl_path=run_root / "metrics.jsonl",
-        registry=None,
-        project="proj",
-        experiment="exp",
-        config=CONFIG,
-    )
+    sinks = tracker_sinks("mlflow", run_root)
     log_a_run(sinks)
 
     client = MlflowClient(tracking_uri=(run_root / "mlruns").as_uri())
