@@ -281,18 +281,15 @@ def dump_yaml(cfg: RLMeshConfig) -> str:
     data = cfg.model_dump(mode="json")
     # Ignored keys at their defaults are left out: a service that loads this file would otherwise
     # list every one of them as set-and-ignored.
-    defaults = RLMeshConfig.model_construct().model_dump(mode="json")
+    defaults = _defaults_tree()
     for item in config_keys():
         if item.compat and _leaf_of(data, item.key) == _leaf_of(defaults, item.key):
-            *parents, leaf = item.key.split(".")
-            node = data
-            for part in parents:
-                node = node[part]
-            del node[leaf]
+            parent, _, leaf = item.key.rpartition(".")
+            del _leaf_of(data, parent)[leaf]
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def _leaf_of(tree: Mapping[str, Any], key: str) -> Any:
-    for part in key.split("."):
+    for part in key.split(".") if key else ():
         tree = tree[part]
     return tree
