@@ -148,10 +148,6 @@ class FileStoreNames:
             self.dirs.update("/".join(pieces[:i]) for i in range(1, len(pieces)))
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def wandb_mode() -> str | None:
     """``offline`` when the environment neither picks a mode (``WANDB_MODE``) nor holds
     credentials; None (wandb's choice) otherwise."""
@@ -234,7 +230,7 @@ class _Mlflow:
             self.client.log_batch(self.run_id, metrics=batch[i : i + _MLFLOW_METRICS_PER_BATCH])
 
     def log_generations(self, step: int, samples: Sequence[ValGeneration]) -> None:
-        rows = [{**s.row(), "score": _finite(s.score)} for s in samples]
+        rows = [s.row() for s in samples]
         self.client.log_text(self.run_id, json.dumps(rows, indent=1), f"val_generations/step_{step}.json")
 
     def close(self) -> None:
@@ -335,7 +331,7 @@ class MetricsSinks:
         if not samples:
             return
         if self.jsonl_path is not None:
-            rows = [{**s.row(), "score": _finite(s.score)} for s in samples]
+            rows = [s.row() for s in samples]
             with (self.jsonl_path.parent / VAL_GENERATIONS_FILE).open("a") as f:
                 f.write(json.dumps({"step": step, "time": time.time(), "samples": rows}) + "\n")
         if self.console:

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,10 +50,11 @@ class ValGeneration:
     sample_index: int  # which of the prompt's val_kwargs.n samples
 
     def row(self) -> dict[str, Any]:
+        """As JSON holds it: a score that is not finite is null."""
         return {
             "input": self.input,
             "output": self.output,
-            "score": self.score,
+            "score": self.score if math.isfinite(self.score) else None,
             "ground_truth": self.ground_truth,
             "data_source": self.data_source,
             "index": self.index,
