@@ -21,12 +21,48 @@ def readme_section() -> str:
     )
 
 
+def verl_map_markdown() -> str:
+    """The tables of :mod:`rlmesh.config.verl_map`: keys read under rlmesh's name, and keys refused
+    unless at their default."""
+    from rlmesh.config.verl_map import MOVED, REFUSED
+
+    lines = [
+        "## Keys rlmesh maps",
+        "",
+        "verl keys that rlmesh reads under its own name (verl renamed or moved them between releases). "
+        "A config that sets any of them is told, in one warning at start-up, what each was read as; "
+        "giving both names with different values is an error.",
+        "",
+        "| verl's key | read as |",
+        "|---|---|",
+        *(f"| `{src}` | `{dst}` |" for src, dst in MOVED),
+        "",
+        "`actor_rollout_ref.rollout.name`: `vllm`, `trtllm` or not set run SGLang on a machine with a "
+        "CUDA GPU and the embedded engine on one without; `hf` runs the embedded engine. verl's rollout "
+        "knobs reach SGLang as its flags (`enforce_eager`, `max_model_len`, `max_num_seqs`, "
+        "`max_num_batched_tokens`, `enable_chunked_prefill`, `enable_prefix_caching`, "
+        "`engine_kwargs.sglang.*`, `model.override_config`; see the table above); "
+        "`engine_kwargs.vllm` / `trtllm` are named and dropped.",
+        "",
+        "## Keys rlmesh refuses unless at their default",
+        "",
+        "verl keys whose being ignored would change what a run computes; set to anything but their "
+        "default, the config is refused with what to do instead.",
+        "",
+        "| key | instead |",
+        "|---|---|",
+        *(f"| `{key}` | {instead} |" for key, _, instead in REFUSED),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def config_doc() -> str:
     return (
         "# Configuration keys\n\nGenerated from the schema by `make docs`; do not edit by hand.\n"
         "Defaults equal verl's `ppo_trainer.yaml` wherever verl has the key.\n\n"
         + keys_markdown_table(include_compat=True)
         + "\n"
+        + verl_map_markdown()
     )
 
 

@@ -23,6 +23,7 @@ from rlmesh.config.ignored import ignored_given, ignored_message
 from rlmesh.config.keys import config_keys
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
+from rlmesh.config.verl_map import ENGINE_KEY, drop_legacy_nulls, map_verl_keys, mapped_message
 
 ENV_AUTH_TOKEN = "RLMESH_AUTH_TOKEN"
 
@@ -117,8 +118,10 @@ def _resolve(node: Any, path: str, problems: list[str]) -> Any:
         try:
             child = node[key]
         except MissingMandatoryValue:
-            if _inside_compat_key(full):
-                out[key] = None  # verl's "required" marker under a key rlmesh ignores anyway
+            if _inside_compat_key(full) or full == ENGINE_KEY:
+                # verl's "required" marker under a key rlmesh ignores, or on the engine, which
+                # rlmesh picks itself when it is not set (verl_map)
+                out[key] = None
             else:
                 problems.append(f"'{full}' is '???' (verl's marker for a required value): set it")
             continue
@@ -173,6 +176,8 @@ def _read_layers(
         parsed = _parse_override(arg, index, problems)
         if parsed is not None:
             layers.append(parsed)
+    for layer in layers:
+        drop_legacy_nulls(layer)
     return layers
 
 
@@ -239,6 +244,7 @@ def load_config(
             raise ConfigError([*problems, f"cannot build the config: {e}"]) from None
     _apply_env_token(data)
     given = _paths(layers)
+    mapped = map_verl_keys(data, given, problems)
     _learner_ranks_from_gpus(data, given, problems)
     try:
         with warnings.catch_warnings():
@@ -250,6 +256,8 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     ignored = ignored_given(given, _ignored_values(cfg))
+    if warn and mapped:
+        warnings.warn(mapped_message(mapped), ConfigWarning, stacklevel=2)
     if warn and ignored:
         warnings.warn(ignored_message(ignored), ConfigWarning, stacklevel=2)
     return cfg
@@ -265,11 +273,13 @@ def _learner_ranks_from_gpus(data: dict[str, Any], given: set[str], problems: li
     if not (isinstance(gpus, int) and isinstance(nodes, int)) or gpus < 1:
         return  # a bad value is reported by validation; 0 GPUs: a CPU run keeps rlmesh.learner.ranks
     if nodes > 1:
-        problems.append(
-            f"trainer.nnodes={nodes}: `rlmesh serve learner` starts its ranks on one machine; train on "
-            "several nodes under torchrun (README, 'GPU') and set rlmesh.learner.ranks to the ranks of one node"
+        warnings.warn(
+            f"trainer.nnodes={nodes}: `rlmesh train` and `rlmesh serve learner` start the learner's ranks on "
+            f"one machine ({gpus} here); train on {nodes} nodes under torchrun (README, 'GPU') with "
+            "rlmesh.learner.ranks set to the ranks of one node",
+            ConfigWarning,
+            stacklevel=3,
         )
-        return
     data.setdefault("rlmesh", {}).setdefault("learner", {})["ranks"] = gpus
 
 

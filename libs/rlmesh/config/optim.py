@@ -49,6 +49,7 @@ class OptimConfig(Section):
         description="max global gradient norm (verl's newer name for the role's grad_clip); null = that",
     )
     override_optimizer_config: Any = compat(None)
+    zero_indexed_step: Any = compat(True)
 
     @model_validator(mode="before")
     @classmethod
@@ -110,6 +111,12 @@ class FsdpConfig(Section):
     entropy_checkpointing: Any = compat(False)
     forward_only: Any = compat(False)
     strategy: Any = compat("fsdp")
+    entropy_from_logits_chunk_size: Any = compat(2048)
+    use_no_sync_for_gradient_accumulation: Any = compat(False)
+    pad_to_length: Any = compat(None)
+    pad_to_length_bucket: Any = compat(None)
+    qat: Any = compat({})
+    turbo_config: Any = compat({})
 
 
 class RefFsdpConfig(FsdpConfig):

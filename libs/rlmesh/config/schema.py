@@ -56,6 +56,10 @@ class RLMeshConfig(Section):
     global_profiler: Any = compat({})
     transfer_queue: Any = compat({})
     ray_kwargs: Any = compat({})
+    ray_init: Any = compat({})
+    reward: Any = compat({})
+    distillation: Any = compat({})
+    skip: Any = compat({})
 
     @model_validator(mode="after")
     def _resolve_and_check(self) -> RLMeshConfig:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -55,6 +56,7 @@ def create_app(
     ready_file: str | None = None,
     port_holder: dict[str, int] | None = None,
     auth_token: str | None = None,
+    override_config: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Loads the model at ``model_path``; the engine starts with the app (and writes ``ready_file``,
     with the port in ``port_holder``, once it has). With ``auth_token`` every route but the health
@@ -65,6 +67,7 @@ def create_app(
         weight_version=weight_version,
         skip_tokenizer_init=skip_tokenizer_init,
         weight_sync_timeout_s=weight_sync_timeout_s,
+        override_config=override_config,
     )
     app = FastAPI(
         title="rlmesh embedded engine",

@@ -5,6 +5,7 @@ The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -39,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ready-file", help="write {pid, port} as JSON here once serving")
     parser.add_argument("--log-format", choices=["json", "text"], default="json")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json-model-override-args",
+        type=json.loads,
+        default={},
+        help="JSON object of HF config entries to override on load (SGLang's flag of the same name)",
+    )
     args = parser.parse_args(argv)
     configure_logging("engine", os.environ.get("RLMESH_RUN_ID"), fmt=args.log_format)
     torch.manual_seed(args.seed)
@@ -62,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port_holder=port,
         # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
         auth_token=token,
+        override_config=args.json_model_override_args,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from fastapi import Request
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlmesh.engine.batching import BatchEngine, GenerationRequest
 from rlmesh.engine.metrics import EngineMetrics
@@ -51,9 +52,15 @@ def load_state(
     weight_version: str,
     skip_tokenizer_init: bool,
     weight_sync_timeout_s: float,
+    override_config: dict[str, Any] | None = None,
 ) -> EngineState:
-    """Loads the model (float32, for CPU) and its tokenizer and builds an engine on them, not started."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    """Loads the model (float32, for CPU) and its tokenizer and builds an engine on them, not started.
+    ``override_config``: entries that replace the model's HF config ones (SGLang's
+    ``--json-model-override-args``; verl's ``model.override_config``)."""
+    config = AutoConfig.from_pretrained(model_path)
+    for key, value in (override_config or {}).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
     tokenizer = None
     if not skip_tokenizer_init:
         with contextlib.suppress(Exception):  # a model directory without a tokenizer is fine

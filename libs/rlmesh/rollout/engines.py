@@ -5,11 +5,13 @@ docs/design.md#engines"""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.client import EngineClient
@@ -75,6 +77,51 @@ def sglang_launch_argv(
     ]
 
 
+def sglang_rollout_args(
+    *,
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    override_config: dict[str, Any] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> list[str]:
+    """verl's rollout knobs as SGLang flags (verl's own SGLang server passes the first few the same
+    way): enforce_eager -> --disable-cuda-graph, max_model_len -> --context-length, max_num_seqs ->
+    --max-running-requests, max_num_batched_tokens -> --chunked-prefill-size (-1 when chunked prefill
+    is off), no prefix caching -> --disable-radix-cache, the model's override_config ->
+    --json-model-override-args, and each ``engine_kwargs`` entry (verl's engine_kwargs.sglang) as
+    ``--name value`` (true: the bare flag; false/null: left out; a list: its items; a dict: JSON)."""
+    args: list[str] = []
+    if enforce_eager:
+        args.append("--disable-cuda-graph")
+    if max_model_len is not None:
+        args += ["--context-length", str(max_model_len)]
+    if max_num_seqs is not None:
+        args += ["--max-running-requests", str(max_num_seqs)]
+    if not enable_chunked_prefill:
+        args += ["--chunked-prefill-size", "-1"]
+    elif max_num_batched_tokens is not None:
+        args += ["--chunked-prefill-size", str(max_num_batched_tokens)]
+    if not enable_prefix_caching:
+        args.append("--disable-radix-cache")
+    if override_config:
+        args += ["--json-model-override-args", json.dumps(override_config)]
+    for name, value in (engine_kwargs or {}).items():
+        flag = "--" + str(name).replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        elif value not in (None, False):
+            args += [flag, str(value)]
+    return args
+
+
 def _flag_value(argv: list[str], *names: str) -> str | None:
     """The value of the last ``--name V`` or ``--name=V`` among ``names`` in ``argv``."""
     value = None
@@ -122,13 +169,15 @@ async def start_engine(
     skip_tokenizer_init: bool = True,
     extra_args: list[str] | None = None,
     token: str | None = None,
+    override_config: dict[str, Any] | None = None,
 ) -> RunningEngine:
     """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
     handed over in the child's environment, never its argv; the client sends it, also to an engine
     it attaches to. None = env RLMESH_AUTH_TOKEN, as for the config's ``rlmesh.auth_token``.
 
     ``host``: the address an engine it starts binds (the replica's; a wildcard binds every
-    interface); it reaches that engine on loopback then."""
+    interface); it reaches that engine on loopback then. ``override_config``: the embedded engine's
+    model config overrides (an SGLang server takes them in ``extra_args``, sglang_rollout_args)."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
     # Set either way: an engine told no token must not inherit one from this process's environment.
@@ -142,7 +191,11 @@ async def start_engine(
             name=f"{name}-engine",
             host=host,
             port=port,
-            extra_args=["--max-batch-size", str(max_batch_size)],
+            extra_args=[
+                "--max-batch-size",
+                str(max_batch_size),
+                *(["--json-model-override-args", json.dumps(override_config)] if override_config else []),
+            ],
             env=env,
             timeout_s=startup_timeout_s,
         )

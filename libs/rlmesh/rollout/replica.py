@@ -19,7 +19,7 @@ from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajec
 from rlmesh.queue.policy import read_policy
 from rlmesh.reference.client import ReferenceClient
 from rlmesh.reward.client import RewardClient
-from rlmesh.rollout.engines import RunningEngine, start_engine
+from rlmesh.rollout.engines import RunningEngine, sglang_rollout_args, start_engine
 from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, parse_version
 from rlmesh.rollout.servicer import RolloutServicer
@@ -66,6 +66,17 @@ async def start_replica_engine(
     """The engine binds the replica's own bind host, so a learner elsewhere reaches it when the
     replica does (docs/design.md#addresses)."""
     rollout, sampler = cfg.actor_rollout_ref.rollout, cfg.rlmesh.sampler
+    model = cfg.actor_rollout_ref.model
+    knobs = sglang_rollout_args(
+        enforce_eager=rollout.enforce_eager,
+        max_model_len=rollout.max_model_len,
+        max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens,
+        enable_chunked_prefill=rollout.enable_chunked_prefill,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        override_config=model.override_config,
+        engine_kwargs=rollout.engine_kwargs.get("sglang"),
+    )
     return await start_engine(
         kind=rollout.name,
         model_path=cfg.actor_rollout_ref.model.path,
@@ -80,9 +91,10 @@ async def start_replica_engine(
         tp_size=rollout.tensor_model_parallel_size if rollout.name == "sglang" else 1,
         mem_fraction_static=rollout.gpu_memory_utilization,
         dtype=rollout.dtype,
-        extra_args=rollout.sglang.extra_args,
+        extra_args=[*knobs, *rollout.sglang.extra_args],  # the user's own flags last: they win
         skip_tokenizer_init=rollout.skip_tokenizer_init,
         token=cfg.rlmesh.auth_token or "",
+        override_config=model.override_config,
     )
 
 

@@ -86,7 +86,7 @@ def test_a_verl_command_line_gets_one_warning_naming_exactly_its_ignored_keys():
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
-        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.disable_log_stats=false",
         "critic.model.fsdp_config.wrap_policy.min_num_params=100",
     ]
     with warnings.catch_warnings(record=True) as caught:
@@ -100,7 +100,7 @@ def test_a_verl_command_line_gets_one_warning_naming_exactly_its_ignored_keys():
     assert listed == [
         "actor_rollout_ref.actor.strategy",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-        "actor_rollout_ref.rollout.enforce_eager",
+        "actor_rollout_ref.rollout.disable_log_stats",
         "actor_rollout_ref.rollout.mode",
         "critic.model.fsdp_config.wrap_policy",
     ]
@@ -117,10 +117,10 @@ def test_a_config_without_ignored_keys_gets_no_such_warning():
 def test_the_resolved_config_a_service_loads_repeats_no_default_ignored_key(tmp_path: Path):
     from rlmesh.config import dump_yaml
 
-    cfg = load_config(None, ["actor_rollout_ref.rollout.enforce_eager=true"], warn=False)
+    cfg = load_config(None, ["actor_rollout_ref.rollout.disable_log_stats=false"], warn=False)
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_yaml(cfg))
-    assert [k for k, _, _ in ignored_keys(path)] == ["actor_rollout_ref.rollout.enforce_eager"]
+    assert [k for k, _, _ in ignored_keys(path)] == ["actor_rollout_ref.rollout.disable_log_stats"]
     assert load_config(path, warn=False) == cfg
 
 
@@ -132,7 +132,7 @@ def test_config_validate_prints_the_ignored_keys(tmp_path: Path):
             "rlmesh.cli",
             "config",
             "validate",
-            "actor_rollout_ref.rollout.enforce_eager=true",
+            "actor_rollout_ref.rollout.disable_log_stats=false",
         ],
         cwd=REPO,
         env=child_env(),
@@ -143,4 +143,4 @@ def test_config_validate_prints_the_ignored_keys(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert "configuration is valid" in proc.stdout
     assert "rlmesh: warning: 1 verl key(s) set here are accepted but ignored by rlmesh:" in proc.stderr
-    assert "  actor_rollout_ref.rollout.enforce_eager=true: an inference-server option" in proc.stderr
+    assert "  actor_rollout_ref.rollout.disable_log_stats=false: an inference-server option" in proc.stderr

@@ -48,7 +48,7 @@ def test_key_metadata() -> None:
         by_key["trainer.default_local_dir"].default
         == "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     )
-    assert by_key["actor_rollout_ref.rollout.enforce_eager"].compat
+    assert by_key["actor_rollout_ref.rollout.disable_log_stats"].compat
 
 
 def test_markdown_table_lists_every_key_with_its_default() -> None:
@@ -66,7 +66,7 @@ def test_markdown_table_lists_every_key_with_its_default() -> None:
 def test_markdown_table_without_compat_keys() -> None:
     table = keys_markdown_table(include_compat=False)
     assert "`actor_rollout_ref.actor.clip_ratio`" in table
-    assert "`actor_rollout_ref.rollout.enforce_eager`" not in table
+    assert "`actor_rollout_ref.rollout.disable_log_stats`" not in table
 
 
 def test_every_key_can_be_set_by_override() -> None:

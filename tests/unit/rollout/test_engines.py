@@ -11,7 +11,7 @@ from typing import ClassVar
 import pytest
 
 from rlmesh.rollout import engines
-from rlmesh.rollout.engines import sglang_launch_argv, start_engine, weight_sync_ranks_of
+from rlmesh.rollout.engines import sglang_launch_argv, sglang_rollout_args, start_engine, weight_sync_ranks_of
 
 
 def test_launch_argv_exactly():
@@ -170,3 +170,45 @@ async def test_the_token_defaults_to_the_environment_and_reaches_an_attached_ser
     monkeypatch.setenv("RLMESH_AUTH_TOKEN", "from-env")
     engine = await start(FakeLauncher(), attach_urls=["http://10.0.0.2:30000"])
     assert engine.client.token == "from-env"
+
+
+def test_verls_rollout_knobs_become_sglang_flags() -> None:
+    """The flags are ServerArgs fields of SGLang 0.5.6 and 0.5.23 (--disable-cuda-graph: 0.5.23's
+    deprecated spelling of its per-phase switches, still accepted)."""
+    assert sglang_rollout_args() == []
+    args = sglang_rollout_args(
+        enforce_eager=True,
+        max_model_len=32768,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        override_config={"max_position_embeddings": 32768},
+        engine_kwargs={
+            "attention_backend": "fa3",
+            "enable_metrics": True,
+            "log_level": None,
+            "cuda_graph_bs": [1, 2],
+        },
+    )
+    assert args == [
+        "--disable-cuda-graph",
+        "--context-length",
+        "32768",
+        "--max-running-requests",
+        "256",
+        "--chunked-prefill-size",
+        "8192",
+        "--disable-radix-cache",
+        "--json-model-override-args",
+        '{"max_position_embeddings": 32768}',
+        "--attention-backend",
+        "fa3",
+        "--enable-metrics",
+        "--cuda-graph-bs",
+        "1",
+        "2",
+    ]
+    assert sglang_rollout_args(enable_chunked_prefill=False, max_num_batched_tokens=8192) == [
+        "--chunked-prefill-size",
+        "-1",
+    ]
