@@ -1,4 +1,5 @@
 import math
+import typing
 
 import pytest
 import torch
@@ -12,10 +13,18 @@ from rlmesh.algo import (
     compute_entropy_loss,
     compute_pg_losses,
     compute_policy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_vanilla,
     compute_value_loss,
     get_policy_loss_fn,
+    policy_loss_info,
     register_policy_loss,
 )
+from rlmesh.config.actor_rollout_ref import PolicyLossMode
 
 F64 = torch.float64
 
@@ -237,12 +246,18 @@ def test_policy_loss_rejects_bad_arguments():
 
 
 def test_policy_loss_registry():
-    assert get_policy_loss_fn("vanilla") is compute_policy_loss
-    with pytest.raises(ValueError, match=r"'gspo'.*vanilla"):
-        get_policy_loss_fn("gspo")
+    assert get_policy_loss_fn("vanilla") is compute_policy_loss_vanilla
+    assert get_policy_loss_fn("gspo") is compute_policy_loss_gspo
+    with pytest.raises(ValueError, match=r"'bypass_mode'.*'cispo'.*'vanilla'"):
+        get_policy_loss_fn("bypass_mode")
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("vanilla")(lambda *a: None)
-    assert set(POLICY_LOSS_REGISTRY) == {"vanilla"}
+    # verl 0.9.1's registry but bypass_mode (the config sends that to rollout_correction.bypass_mode),
+    # and exactly the names the config accepts.
+    assert set(POLICY_LOSS_REGISTRY) == {
+        "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro",
+    }  # fmt: skip
+    assert set(POLICY_LOSS_REGISTRY) == set(typing.get_args(PolicyLossMode))
 
 
 @settings(max_examples=200, deadline=None)
@@ -301,6 +316,443 @@ def test_policy_loss_gradcheck_at_smooth_points():
             ],
             (new,),
         )
+
+
+# ---------------------------------------------------------------- policy loss modes
+# Each mode against a plain, per-token re-implementation of verl 0.9.1's definition
+# (verl/trainer/ppo/core_algos.py, compute_policy_loss_<mode>): per-token losses and metrics from
+# python floats, aggregated by the loop below, compared with the registered function.
+
+EPS = 1e-8
+
+
+def ref_agg(losses, mask, mode):
+    """verl's agg_loss over one batch, as loops (agg_loss's table)."""
+    rows = [[x for x, m in zip(lr, mr, strict=True) if m] for lr, mr in zip(losses, mask, strict=True)]
+    non_empty = [r for r in rows if r]
+    if mode == "token-mean":
+        return sum(map(sum, rows)) / sum(map(len, rows))
+    if mode == "token-sum":
+        return sum(map(sum, rows))
+    if mode == "seq-mean-token-sum":
+        return sum(map(sum, non_empty)) / len(non_empty)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / (len(r) + EPS) for r in non_empty) / len(non_empty)
+    if mode == "seq-mean-token-sum-norm":
+        return sum(map(sum, non_empty)) / len(non_empty) / len(mask[0])
+    raise AssertionError(mode)
+
+
+def ref_masked_mean(values, mask):
+    total = sum(v for vr, mr in zip(values, mask, strict=True) for v, m in zip(vr, mr, strict=True) if m)
+    return total / (sum(map(sum, mask)) + EPS)
+
+
+def clamp(x, lo=-math.inf, hi=math.inf):
+    return min(max(x, lo), hi)
+
+
+def cells(case):
+    """(i, t, old, new, adv, weight) of every position, row-major."""
+    for i in range(len(case.mask)):
+        for t in range(len(case.mask[0])):
+            yield i, t, case.old[i][t], case.new[i][t], case.adv[i][t], case.w[i][t]
+
+
+def per_token(case, fn):
+    """A (bs, T) list of lists of ``fn(i, t, old, new, adv, weight)``."""
+    out = [[0.0] * len(case.mask[0]) for _ in case.mask]
+    for i, t, o, n, a, w in cells(case):
+        out[i][t] = fn(i, t, o, n, a, w)
+    return out
+
+
+class Case:
+    """Random old/new log-probs (probabilities, so DPPO's are meaningful), advantages, rollout IS
+    weights (1 when absent), a mask with sequences of different lengths and one empty row."""
+
+    def __init__(self, seed, weighted, empty_row=True, bs=5, width=7):
+        g = torch.Generator().manual_seed(seed)
+        self.t_old = -torch.rand(bs, width, generator=g, dtype=F64) * 3 - 0.05
+        self.t_new = (self.t_old + torch.randn(bs, width, generator=g, dtype=F64) * 0.3).clamp(max=-1e-3)
+        self.t_adv = torch.randn(bs, width, generator=g, dtype=F64)
+        lengths = torch.randint(1, width + 1, (bs,), generator=g)
+        if empty_row:
+            lengths[2] = 0
+        self.t_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        self.t_w = torch.rand(bs, width, generator=g, dtype=F64) * 2 if weighted else None
+        self.old, self.new, self.adv, self.mask = (
+            x.tolist() for x in (self.t_old, self.t_new, self.t_adv, self.t_mask)
+        )
+        self.w = self.t_w.tolist() if weighted else [[1.0] * width for _ in range(bs)]
+
+    def run(self, fn, mode, **knobs):
+        return fn(
+            self.t_old,
+            self.t_new,
+            self.t_adv,
+            self.t_mask,
+            loss_agg_mode=mode,
+            rollout_is_weights=self.t_w,
+            **knobs,
+        )
+
+
+LOW, HIGH, CLIP_C = 0.15, 0.25, 1.2  # CLIP_C: DPPO's IS truncation
+
+
+def ref_gspo(case, mode):
+    s = []  # the sequence ratios (the value of every s_{i,t} of the row)
+    for o_row, n_row, m_row in zip(case.old, case.new, case.mask, strict=True):
+        n = max(sum(m_row), 1)
+        s.append(
+            math.exp(min(sum((b - a) * m for a, b, m in zip(o_row, n_row, m_row, strict=True)) / n, 10.0))
+        )
+
+    def terms(i, t, o, n, a, w):
+        pg1, pg2 = -a * s[i], -a * clamp(s[i], 1 - LOW, 1 + HIGH)
+        return max(pg1, pg2) * w, float(pg2 > pg1)
+
+    tok = per_token(case, terms)
+    metrics = {
+        "actor/pg_clipfrac": ref_masked_mean([[c for _, c in r] for r in tok], case.mask),
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return ref_agg([[x for x, _ in r] for r in tok], case.mask, mode), metrics
+
+
+def ref_sapo(case, mode):
+    tau_pos, tau_neg = 1.0, 1.05
+
+    def loss(i, t, o, n, a, w):
+        tau = tau_pos if a > 0 else tau_neg
+        r = math.exp(clamp(n - o, -20, 20))
+        return -(1 / (1 + math.exp(-tau * (r - 1)))) * (4 / tau) * a * w
+
+    metrics = {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return ref_agg(per_token(case, loss), case.mask, "seq-mean-token-mean"), metrics  # always
+
+
+def ref_gpg(case, mode):
+    return ref_agg(per_token(case, lambda i, t, o, n, a, w: -n * a * w), case.mask, mode), {}
+
+
+def ref_cispo(case, mode):
+    def terms(i, t, o, n, a, w):
+        r = math.exp(clamp(n - o, -20, 20))
+        c = clamp(r, 1 - LOW, 1 + HIGH)
+        return -c * a * n * w, float(r != c)
+
+    tok = per_token(case, terms)
+    metrics = {
+        "actor/pg_clipfrac": ref_masked_mean([[c for _, c in r] for r in tok], case.mask),
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return ref_agg([[x for x, _ in r] for r in tok], case.mask, mode), metrics
+
+
+def ref_geo_mean(case, mode):
+    """verl's: the mean over the rows (no row of these cases is empty)."""
+    seq_losses, clip_hi, clip_lo = [], [], []
+    for o_row, n_row, a_row, w_row, m_row in zip(
+        case.old, case.new, case.adv, case.w, case.mask, strict=True
+    ):
+        n = sum(m_row)
+        log_ratio = adv = log_w = 0.0
+        for o, nw, a, w, m in zip(o_row, n_row, a_row, w_row, m_row, strict=True):
+            if m:
+                lr = nw - o
+                sgn = (a > 0) - (a < 0)
+                log_ratio += sgn * min(sgn * lr, sgn * clamp(lr, -LOW, HIGH))
+                adv += a
+                log_w += math.log(w + 1e-10)
+        seq_losses.append(-adv / (n + EPS) * math.exp(log_ratio / (n + EPS)) * math.exp(log_w / (n + EPS)))
+    clipped = per_token(case, lambda i, t, o, n, a, w: clamp(n - o, -LOW, HIGH) != n - o)
+    clip_hi = per_token(case, lambda i, t, o, n, a, w: float(clipped[i][t] and a > 0))
+    clip_lo = per_token(case, lambda i, t, o, n, a, w: float(clipped[i][t] and a < 0))
+    metrics = {
+        "actor/pg_clipfrac": ref_masked_mean(clip_hi, case.mask),
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+        "actor/pg_clipfrac_lower": ref_masked_mean(clip_lo, case.mask),
+    }
+    return sum(seq_losses) / len(seq_losses), metrics
+
+
+COV_RATIO, COV_LB, COV_UB, COV_SEED = 0.15, 0.01, 3.0, 11
+
+
+def ref_clip_cov(case, mode):
+    valid = [(i, t) for i, t, *_ in cells(case) if case.mask[i][t]]
+    mean_a = sum(case.adv[i][t] for i, t in valid) / (len(valid) + EPS)
+    mean_lp = sum(case.new[i][t] for i, t in valid) / (len(valid) + EPS)
+    candidates = []  # row-major, as torch.nonzero
+    for i, t in valid:
+        o, n, a = case.old[i][t], case.new[i][t], case.adv[i][t]
+        r = math.exp(n - o)
+        ratio_clipped = -a * clamp(r, 1 - LOW, 1 + HIGH) > -a * r
+        cov = (a - mean_a) * (n - mean_lp)
+        if not ratio_clipped and COV_LB < cov < COV_UB:
+            candidates.append((i, t))
+    k = max(int(COV_RATIO * len(valid)), 1)
+    perm = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(COV_SEED)).tolist()
+    cut = {candidates[j] for j in perm[:k]}
+    assert 1 < len(cut) < len(candidates), "the case should make the random choice matter"
+
+    def loss(i, t, o, n, a, w):
+        r = math.exp(n - o)
+        return max(-a * r, -a * clamp(r, 1 - LOW, 1 + HIGH)) * (0.0 if (i, t) in cut else 1.0) * w
+
+    metrics = {
+        "actor/pg_clipfrac": ref_masked_mean(
+            per_token(case, lambda i, t, *_: float((i, t) in cut)), case.mask
+        ),
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+    }
+    return ref_agg(per_token(case, loss), case.mask, mode), metrics
+
+
+KL_COV_RATIO, KL_COEF = 0.2, 0.7
+
+
+def ref_kl_cov(case, mode):
+    valid = [(i, t) for i, t, *_ in cells(case) if case.mask[i][t]]
+    mean_a = sum(case.adv[i][t] for i, t in valid) / len(valid)
+    mean_lp = sum(case.new[i][t] for i, t in valid) / len(valid)
+    cov = {(i, t): (case.adv[i][t] - mean_a) * (case.new[i][t] - mean_lp) for i, t in valid}
+    k = max(1, int(len(valid) * KL_COV_RATIO))
+    top = set(sorted(valid, key=lambda it: cov[it], reverse=True)[:k])
+
+    def loss(i, t, o, n, a, w):
+        return (-a * math.exp(n - o) + (KL_COEF * abs(n - o) if (i, t) in top else 0.0)) * w
+
+    metrics = {
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: abs(n - o)), case.mask)
+    }
+    return ref_agg(per_token(case, loss), case.mask, mode), metrics
+
+
+def ref_dppo(case, mode, binary_kl):
+    def terms(i, t, o, n, a, w):
+        r = math.exp(clamp(n - o, -20, 20))
+        p, po = math.exp(n), math.exp(o)
+        if binary_kl:
+            d = po * (o - n) + (1 - po) * math.log((1 - po + 1e-8) / (1 - p + 1e-8))
+            valid = (d <= HIGH or p <= po) if a > 0 else (d <= LOW or p >= po)
+        else:
+            valid = (p - po <= HIGH) if a > 0 else (p - po >= -LOW)
+        return -a * min(r, CLIP_C) * n * valid * w, 1.0 - valid, float(r > CLIP_C) * valid
+
+    tok = per_token(case, terms)
+    metrics = {
+        "actor/pg_clipfrac": ref_masked_mean([[x[1] for x in r] for r in tok], case.mask),
+        "actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask),
+        "actor/pg_clipfrac_lower": ref_masked_mean([[x[2] for x in r] for r in tok], case.mask),
+    }
+    return ref_agg([[x[0] for x in r] for r in tok], case.mask, mode), metrics
+
+
+DRO_BETA = 0.4
+
+
+def ref_dro(case, mode):
+    loss = per_token(case, lambda i, t, o, n, a, w: -(n * a - 0.5 * DRO_BETA * (n - o) ** 2) * w)
+    metrics = {"actor/ppo_kl": ref_masked_mean(per_token(case, lambda i, t, o, n, a, w: o - n), case.mask)}
+    return ref_agg(loss, case.mask, mode), metrics
+
+
+CLIP = {"cliprange": 0.2, "cliprange_low": LOW, "cliprange_high": HIGH}
+# mode -> (the reference, the knobs given to the registered function)
+MODES = {
+    "gspo": (ref_gspo, CLIP),
+    "sapo": (ref_sapo, {"tau_pos": 1.0, "tau_neg": 1.05}),
+    "gpg": (ref_gpg, {}),
+    "cispo": (ref_cispo, CLIP),
+    "geo_mean": (ref_geo_mean, CLIP),
+    "clip_cov": (
+        ref_clip_cov,
+        {**CLIP, "clip_cov_ratio": COV_RATIO, "clip_cov_lb": COV_LB, "clip_cov_ub": COV_UB},
+    ),
+    "kl_cov": (ref_kl_cov, {"kl_cov_ratio": KL_COV_RATIO, "ppo_kl_coef": KL_COEF}),
+    "dppo_tv": (lambda case, mode: ref_dppo(case, mode, binary_kl=False), {**CLIP, "clip_ratio_c": CLIP_C}),
+    "dppo_kl": (lambda case, mode: ref_dppo(case, mode, binary_kl=True), {**CLIP, "clip_ratio_c": CLIP_C}),
+    "dro": (ref_dro, {"dro_beta": DRO_BETA}),
+}
+
+
+def knobs_of(name):
+    knobs = dict(MODES[name][1])
+    if name == "clip_cov":
+        knobs["generator"] = torch.Generator().manual_seed(COV_SEED)
+    return knobs
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["no-is-weights", "is-weights"])
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_policy_loss_mode_is_verls(name, agg_mode, weighted):
+    reference = MODES[name][0]
+    seen = {key: 0.0 for key in policy_loss_info(name).metrics}
+    for seed in range(3):
+        # geo_mean: verl averages over every row; without an empty one that is rlmesh's mean
+        case = Case(seed, weighted, empty_row=name != "geo_mean")
+        want_loss, want_metrics = reference(case, agg_mode)
+        loss, metrics = case.run(get_policy_loss_fn(name), agg_mode, **knobs_of(name))
+        # rel 1e-7: verl's (and rlmesh's) `n_i + 1e-8` of an integer mask is a float32 sum
+        assert loss.item() == pytest.approx(want_loss, rel=1e-7, abs=1e-12), (name, agg_mode, seed)
+        assert set(metrics) == set(want_metrics) == set(seen), name
+        for key, value in want_metrics.items():
+            # fractions are float32 means, as verl's (.float())
+            assert metrics[key].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (name, key, seed)
+            seen[key] = max(seen[key], abs(value))
+    # Not degenerate: every metric verl computes (rather than reports as 0) was non-zero somewhere.
+    constant_zero = {"gspo": {"actor/pg_clipfrac_lower"}, "cispo": {"actor/pg_clipfrac_lower"},
+                     "sapo": {"actor/pg_clipfrac", "actor/pg_clipfrac_lower"}}.get(name, set())  # fmt: skip
+    assert all(v > 0 for k, v in seen.items() if k not in constant_zero), seen
+
+
+def test_vanilla_in_the_registry_is_compute_policy_loss():
+    case = Case(0, weighted=True)
+    for mode in LOSS_AGG_MODES:
+        loss, metrics = case.run(compute_policy_loss_vanilla, mode, **CLIP, clip_ratio_c=CLIP_C)
+        want = compute_policy_loss(
+            case.t_old, case.t_new, case.t_adv, case.t_mask, **CLIP, clip_ratio_c=CLIP_C,
+            loss_agg_mode=mode, rollout_is_weights=case.t_w,
+        )  # fmt: skip
+        got = (
+            loss,
+            metrics["actor/pg_clipfrac"],
+            metrics["actor/ppo_kl"],
+            metrics["actor/pg_clipfrac_lower"],
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_geo_mean_averages_over_non_empty_sequences():
+    # verl's torch.mean would also count the empty row (with loss 0); rlmesh's mean is over the
+    # sequences with a token, like the seq-mean-* modes, so that it normalises over a global batch.
+    case = Case(4, weighted=False)
+    assert case.mask[2] == [0] * 7
+    loss, _ = case.run(compute_policy_loss_geo_mean, "token-mean", **CLIP)
+    keep = [0, 1, 3, 4]
+    sub = Case(4, weighted=False)
+    sub.old, sub.new, sub.adv, sub.mask, sub.w = (
+        [x[i] for i in keep] for x in (sub.old, sub.new, sub.adv, sub.mask, sub.w)
+    )
+    want, _ = ref_geo_mean(sub, "token-mean")
+    assert loss.item() == pytest.approx(want, rel=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(set(MODES) - {"clip_cov", "kl_cov"}))
+def test_policy_loss_mode_of_micro_batches_sums_to_the_global_batch_loss(name):
+    """With verl's global_batch_info every mode's micro-batch losses add up (over ranks, / dp) to
+    the loss of the whole batch. (clip_cov and kl_cov choose their tokens per call, as verl.)"""
+    case = Case(5, weighted=True, bs=8)
+    fn, knobs = get_policy_loss_fn(name), knobs_of(name)
+    n_tokens, n_seqs = case.t_mask.sum(), (case.t_mask.sum(-1) > 0).sum()
+    for mode in LOSS_AGG_MODES:
+        whole, _ = case.run(fn, mode, **knobs)
+        dp = 2
+        parts = sum(
+            fn(case.t_old[i : i + 2], case.t_new[i : i + 2], case.t_adv[i : i + 2], case.t_mask[i : i + 2],
+               loss_agg_mode=mode, rollout_is_weights=case.t_w[i : i + 2], dp_size=dp,
+               batch_num_tokens=n_tokens, global_batch_size=n_seqs, loss_scale_factor=7, **knobs)[0]
+            for i in range(0, 8, 2)
+        )  # fmt: skip
+        torch.testing.assert_close(parts / dp, whole, msg=f"{name} {mode}")
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_masked_positions_never_change_the_mode_losses(name):
+    case = Case(6, weighted=True)
+    junk = lambda x: torch.where(case.t_mask.bool(), x, torch.full_like(x, float("nan")))  # noqa: E731
+    fn = get_policy_loss_fn(name)
+    for mode in LOSS_AGG_MODES:
+        clean, clean_metrics = case.run(fn, mode, **knobs_of(name))
+        dirty, dirty_metrics = fn(
+            junk(case.t_old), junk(case.t_new), junk(case.t_adv), case.t_mask,
+            loss_agg_mode=mode, rollout_is_weights=junk(case.t_w), **knobs_of(name),
+        )  # fmt: skip
+        assert torch.equal(clean, dirty), (name, mode)
+        assert all(torch.equal(clean_metrics[k], dirty_metrics[k]) for k in clean_metrics), name
+
+
+def test_gspo_gradient_is_the_sequence_ratio_times_the_token_score():
+    """d/dlogπ_{i,t} of GSPO-token (token-mean) is -A·s_i·w/N where the clip is not taken, 0 where
+    it is: no gradient crosses tokens (the sequence ratio is a constant), unlike a plain
+    sequence ratio, whose derivative would spread over the whole row."""
+    case = Case(7, weighted=True)
+    new = case.t_new.clone().requires_grad_()
+    loss, _ = compute_policy_loss_gspo(
+        case.t_old, new, case.t_adv, case.t_mask, "token-mean", case.t_w, **CLIP
+    )
+    loss.backward()
+    n_tokens = sum(map(sum, case.mask))
+    seq_ratio = [
+        math.exp(sum((b - a) * m for a, b, m in zip(o, n, mr, strict=True)) / max(sum(mr), 1))
+        for o, n, mr in zip(case.old, case.new, case.mask, strict=True)
+    ]
+    taken = per_token(  # 1 where the unclipped branch is the loss (its gradient flows)
+        case, lambda i, t, o, n, a, w: float(-a * clamp(seq_ratio[i], 1 - LOW, 1 + HIGH) <= -a * seq_ratio[i])
+    )
+    want = per_token(
+        case, lambda i, t, o, n, a, w: -a * seq_ratio[i] * w / n_tokens * taken[i][t] * case.mask[i][t]
+    )
+    valid_taken = [
+        x for tr, mr in zip(taken, case.mask, strict=True) for x, m in zip(tr, mr, strict=True) if m
+    ]
+    assert 0 < sum(valid_taken) < len(valid_taken)  # both branches occur
+    torch.testing.assert_close(new.grad, torch.tensor(want, dtype=F64))
+
+
+def test_cispo_gradient_keeps_every_token_with_the_clipped_ratio_as_a_weight():
+    """d/dlogπ of CISPO (token-mean) is -clip(ρ)·A·w/N on every valid token, clipped or not: the
+    weight is a constant (PPO's clip would zero the clipped tokens' gradient)."""
+    case = Case(8, weighted=True)
+    new = case.t_new.clone().requires_grad_()
+    loss, metrics = compute_policy_loss_cispo(
+        case.t_old, new, case.t_adv, case.t_mask, "token-mean", case.t_w, **CLIP
+    )
+    loss.backward()
+    n_tokens = sum(map(sum, case.mask))
+    want = per_token(
+        case,
+        lambda i, t, o, n, a, w: (
+            -clamp(math.exp(n - o), 1 - LOW, 1 + HIGH) * a * w / n_tokens * case.mask[i][t]
+        ),
+    )
+    assert 0 < metrics["actor/pg_clipfrac"].item() < 1
+    torch.testing.assert_close(new.grad, torch.tensor(want, dtype=F64))
+
+
+def test_clip_cov_choice_follows_the_generator():
+    case = Case(9, weighted=False)
+
+    def loss(seed):
+        knobs = knobs_of("clip_cov") | {"generator": torch.Generator().manual_seed(seed)}
+        return case.run(compute_policy_loss_clip_cov, "token-mean", **knobs)[0].item()
+
+    assert loss(1) == loss(1)  # the same seed cuts the same tokens
+    assert loss(1) != loss(2)  # another seed other ones
+
+
+def test_mode_arguments_are_checked():
+    case = Case(0, weighted=False)
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        case.run(compute_policy_loss_clip_cov, "token-mean", **CLIP, clip_cov_ratio=0.0)
+    with pytest.raises(ValueError, match="kl_cov_ratio"):
+        case.run(compute_policy_loss_kl_cov, "token-mean", kl_cov_ratio=0.0)
+    with pytest.raises(ValueError, match="dro_beta"):
+        case.run(get_policy_loss_fn("dro"), "token-mean")
+    with pytest.raises(ValueError, match="cliprange"):
+        case.run(compute_policy_loss_gspo, "token-mean")
+    assert policy_loss_info("sapo").loss_agg_mode == "seq-mean-token-mean"
+    assert policy_loss_info("gpg").metrics == ()
 
 
 # ---------------------------------------------------------------- value loss
