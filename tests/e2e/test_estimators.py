@@ -1,15 +1,19 @@
 """The advantage estimators the other end-to-end tests do not run (RLOO, REINFORCE++, REINFORCE++
-with a baseline) and an asynchronous run (``rlmesh.max_staleness=1``) with IS correction, each a
-real ``rlmesh train`` job: its rollout replica, embedded engine and learner are OS processes, and
-the four jobs share one Redis and one reward service (each job its own run id), started here.
+with a baseline, ReMax) and an asynchronous run (``rlmesh.max_staleness=1``) with IS correction,
+each a real ``rlmesh train`` job: its rollout replica, embedded engine and learner are OS
+processes, and the jobs share one Redis and one reward service (each job its own run id), started
+here; ``-k`` starts only the jobs of the selected tests.
 
 The reward is the user's own function (``custom_reward_function``): the share of a response's
-characters with an even code point, so a random tiny model's samples score all over [0, 1]. It
-writes every call to a trace. With ``ignore_eos`` every response has the same length, so the
+characters whose code point has the parity of the prompt's row, so a random tiny model's samples
+score all over [0, 1] (and its greedy responses, often one character repeated, 0 or 1 by the
+row). It writes every call to a trace. With ``ignore_eos`` every response has the same length, so the
 advantages of a step follow from that step's scores alone: the test applies each estimator's
 formula (written out here, not rlmesh's) to the scores the trace holds for the groups the learner
 recorded for the step (``trained_groups.jsonl``) and compares with the statistics the learner
-logged. A wrong estimator, wrong groups or a lost ``gamma`` would each give other numbers.
+logged. A wrong estimator, wrong groups or a lost ``gamma`` would each give other numbers. ReMax's
+greedy baseline is one more reward call per prompt: the learner's record names each group's
+baseline score, which must be that extra call's, and the other ``n`` calls are the samples'.
 """
 
 from __future__ import annotations
@@ -39,19 +43,21 @@ PROMPTS, N, LENGTH = 4, 4, 6  # prompts per step, samples per prompt, response t
 GAMMA = 0.9  # REINFORCE++ discounts with it; the group estimators must ignore it
 JOB_TIMEOUT_S = 500
 
-REWARD_FILE = '''"""A test's own reward: the share of characters with an even code point; every call traced."""
+REWARD_FILE = '''"""A test's own reward: the share of characters whose code point has the parity of the
+prompt's row; every call traced."""
 
 import json
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, trace=None):
-    score = sum(ord(c) % 2 == 0 for c in solution_str) / len(solution_str) if solution_str else 0.0
+    parity = extra_info["index"] % 2
+    score = sum(ord(c) % 2 == parity for c in solution_str) / len(solution_str) if solution_str else 0.0
     with open(trace, "a") as f:
         f.write(json.dumps({"job": extra_info["job"], "row": extra_info["index"], "score": score}) + "\\n")
     return score
 '''
 
-ESTIMATOR_JOBS = ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATOR_JOBS = ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 JOBS: dict[str, list[str]] = {
     **{
         name: [f"algorithm.adv_estimator={name}", f"trainer.total_training_steps={STEPS}"]
@@ -75,6 +81,7 @@ class Finished:
     summary: dict
     rows: list[dict[str, float]]  # metrics.jsonl, one row per step
     groups: dict[int, list[list[float]]]  # step -> each trained group's scores (from the trace)
+    baselines: dict[int, list[float]]  # step -> each group's greedy baseline score (remax only)
 
 
 class Jobs:
@@ -91,26 +98,36 @@ class Jobs:
         run_dir = self.root / name
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads(next(line for line in reversed(job.lines) if line.startswith("{")))
-        return Finished(run_dir, "\n".join(job.lines), summary, rows, self.groups(name))
+        return Finished(run_dir, "\n".join(job.lines), summary, rows, *self.groups(name))
 
-    def groups(self, name: str) -> dict[int, list[list[float]]]:
-        """Each step's groups as the learner recorded them, with the scores the reward gave them."""
+    def groups(self, name: str) -> tuple[dict[int, list[list[float]]], dict[int, list[float]]]:
+        """Each step's groups as the learner recorded them, with the scores the reward gave them,
+        and (remax) each group's greedy baseline: the reward call for the prompt besides its
+        samples' ones, whose score the learner recorded."""
         scores: dict[int, list[float]] = defaultdict(list)
         for line in self.trace.read_text().splitlines():
             call = json.loads(line)
             if call["job"] == name:
                 scores[call["row"]].append(call["score"])
-        out = {}
+        out, baselines = {}, {}
         records = [
             json.loads(line) for line in (self.root / name / "trained_groups.jsonl").read_text().splitlines()
         ]
         for record in records:
             rows = [self.index_to_row[i] for i in record["prompts"]]
             assert list(record["groups"].values()) == [N] * PROMPTS, record
+            if name == "remax":
+                step_baselines = [record["baselines"][gid] for gid in record["groups"]]
+                for r, baseline in zip(rows, step_baselines, strict=True):
+                    assert baseline in scores[r], (record, r, scores[r])  # the reward service's score
+                    scores[r].remove(baseline)  # the rest are the samples'
+                baselines[record["step"]] = step_baselines
+            else:
+                assert not record["baselines"], record
             # A prompt is drawn once in these short runs, so its trace entries are its group's.
             assert all(len(scores[r]) == N for r in rows), (record, {r: scores[r] for r in rows})
             out[record["step"]] = [scores[r] for r in rows]
-        return out
+        return out, baselines
 
 
 def write_job_data(source: Path, out: Path, job: str) -> Path:
@@ -122,8 +139,18 @@ def write_job_data(source: Path, out: Path, job: str) -> Path:
     return out
 
 
+def selected_jobs(items: list[pytest.Item]) -> list[str]:
+    """The jobs this module's selected tests read (every job in a full run)."""
+    wanted = set()
+    for item in items:
+        if item.module.__name__ == __name__:
+            callspec = getattr(item, "callspec", None)
+            wanted.add(callspec.params["estimator"] if callspec else "async")
+    return [name for name in JOBS if name in wanted]
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> Iterator[Jobs]:
+def jobs(tmp_path_factory, request) -> Iterator[Jobs]:
     root = tmp_path_factory.mktemp("estimators")
     model = build_tiny_model(root / "model", build_tokenizer(), hidden_size=32, num_layers=2, seed=0)
     data = generate_arithmetic(
@@ -139,6 +166,7 @@ def jobs(tmp_path_factory) -> Iterator[Jobs]:
         f"custom_reward_function.reward_kwargs.trace={trace}",
     ]
     state = Jobs(root, trace, {item.index: item.row for item in items})
+    selected = selected_jobs(request.session.items)
     with ProcessLauncher(root / "shared", stop_grace_s=10) as launcher:
         redis = launcher.start_redis()
         given = [f"rlmesh.redis_url={redis.url}"]
@@ -147,7 +175,8 @@ def jobs(tmp_path_factory) -> Iterator[Jobs]:
         )
         given.append(f"rlmesh.reward.addresses=['{reward_service.grpc_address}']")
         try:
-            for name, extra in JOBS.items():
+            for name in selected:
+                extra = JOBS[name]
                 train = write_job_data(data["train"], root / f"train-{name}.parquet", name)
                 state.running[name] = Job.start(
                     ["-c", str(CPU_DEMO), *common, *given, *job_overrides(name, train, root / name), *extra]
@@ -191,9 +220,12 @@ def whiten(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean()) / torch.sqrt(x.var() + 1e-8)
 
 
-def expected(estimator: str, groups: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+def expected(
+    estimator: str, groups: list[list[float]], baselines: list[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) per sample and token, ``(samples, LENGTH)``, for one step's groups of
-    scores; every response LENGTH tokens long, the score on its last token."""
+    scores (and, for remax, each group's greedy baseline score); every response LENGTH tokens
+    long, the score on its last token."""
     s = torch.tensor(groups, dtype=torch.float64)  # (groups, N)
     n = s.shape[1]
     per_token = lambda a: a.reshape(-1, 1).expand(-1, LENGTH)  # noqa: E731
@@ -209,6 +241,9 @@ def expected(estimator: str, groups: list[list[float]]) -> tuple[torch.Tensor, t
     if estimator == "reinforce_plus_plus_baseline":  # the group mean off, then whitened over the batch
         adv = whiten(per_token(s - s.mean(dim=1, keepdim=True)))
         return adv, adv
+    if estimator == "remax":  # undiscounted reward-to-go (the score on every token) minus the baseline
+        b = torch.tensor(baselines, dtype=torch.float64).reshape(-1, 1)  # (groups, 1)
+        return per_token(s - b), per_token(s)
     raise AssertionError(estimator)
 
 
@@ -221,7 +256,7 @@ def check_advantages(estimator: str, done: Finished) -> None:
         assert row["response_length/min"] == row["response_length/max"] == LENGTH, row
         scores = [x for g in done.groups[step] for x in g]
         assert row["critic/score/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6), step
-        adv, returns = expected(estimator, done.groups[step])
+        adv, returns = expected(estimator, done.groups[step], done.baselines.get(step))
         for name, x in (("advantages", adv), ("returns", returns)):
             for stat, value in (("mean", x.mean()), ("max", x.max()), ("min", x.min())):
                 key = f"critic/{name}/{stat}"

@@ -20,9 +20,11 @@ __all__ = [
     "compute_advantage",
     "compute_gae_advantage_return",
     "compute_gae_raw_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "get_adv_estimator_fn",
     "group_indices",
@@ -42,6 +44,8 @@ class AdvantageEstimator(StrEnum):
     RLOO = "rloo"
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+    GPG = "gpg"
 
 
 def _estimator_name(name_or_enum: str | Enum) -> str:
@@ -355,6 +359,84 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est(AdvantageEstimator.REMAX)
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): the reward-to-go minus the score of the prompt's greedy response.
+
+    .. math::
+        R_{i,t} = \\sum_{t' \\ge t} m_{i,t'} r_{i,t'}, \\qquad A_{i,t} = R_{i,t} - b_i \\, m_{i,t}
+
+    undiscounted; :math:`b_i` is the reward service's score of the greedy (temperature 0)
+    response to sample :math:`i`'s prompt, with no KL term. With KL in the reward, :math:`r`
+    holds the per-token penalty, so :math:`R` includes it.
+
+    Args:
+        token_level_rewards: ``(bs, response_length)``.
+        reward_baselines: ``(bs,)`` the greedy response's score for each sample's prompt.
+        response_mask: ``(bs, response_length)``.
+
+    Returns:
+        advantages: ``(bs, response_length)``.
+        returns: ``(bs, response_length)``, :math:`R`.
+    """
+    with torch.no_grad():
+        # verl's rewards * mask, but NaN-proof: junk at masked positions never reaches the sums.
+        rewards = torch.where(
+            response_mask.bool(), token_level_rewards, torch.zeros_like(token_level_rewards)
+        )
+        returns = rewards.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns
+
+
+@register_adv_est(AdvantageEstimator.GPG)
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG outcome advantage (Chu et al. 2025, "GPG: a simple and strong baseline"): the score minus
+    its group's mean, scaled up by how few samples of the batch score at all.
+
+    .. math::
+        A_i = \\alpha\\,\\frac{s_i - \\mathrm{mean}_g(s)}{F_{norm}},
+        \\qquad \\alpha = \\frac{B}{\\max(1, |\\{j : s_j \\ne 0\\}|)}
+
+    over the whole batch of :math:`B` samples (verl's ``alpha`` argument is overwritten the same
+    way). A group of one sample has mean 0. Paired with ``policy_loss.loss_mode=gpg``.
+
+    Args:
+        token_level_rewards: ``(bs, response_length)``.
+        response_mask: ``(bs, response_length)``.
+        index: ``(bs,)`` prompt uid of each sample.
+        epsilon: unused; kept for verl's signature.
+        f_norm: :math:`F_{norm}` (verl's default 1).
+        alpha: unused: computed from the batch, as verl does.
+
+    Returns:
+        advantages: ``(bs, response_length)``.
+        returns: ``(bs, response_length)``, the same tensor as ``advantages``.
+    """
+    with torch.no_grad():
+        scores = masked_sum(token_level_rewards, response_mask, axis=-1)
+        _check_index(index, scores.shape[0])
+        alpha = scores.shape[0] / max(1, int(torch.count_nonzero(scores)))
+        means = torch.zeros_like(scores)
+        for positions in group_indices(index):
+            if len(positions) > 1:
+                rows = torch.tensor(positions, device=scores.device)
+                means[rows] = torch.mean(scores[rows])
+        advantages = (alpha * (scores - means) / f_norm).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
 def compute_advantage(
     adv_estimator: str | AdvantageEstimator,
     token_level_rewards: torch.Tensor,
@@ -362,6 +444,7 @@ def compute_advantage(
     *,
     values: torch.Tensor | None = None,
     index: np.ndarray | None = None,
+    reward_baselines: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
@@ -369,8 +452,9 @@ def compute_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a registered estimator, passing only the inputs its signature names.
 
-    Estimators take different inputs (GAE needs ``values``, GRPO needs ``index``); this is the
-    one call site the learner needs for ``algorithm.adv_estimator``.
+    Estimators take different inputs (GAE needs ``values``, GRPO needs ``index``, ReMax
+    ``reward_baselines``); this is the one call site the learner needs for
+    ``algorithm.adv_estimator``.
 
     Args:
         adv_estimator: a registered name.
@@ -378,6 +462,7 @@ def compute_advantage(
         response_mask: ``(bs, response_length)``.
         values: ``(bs, response_length)``, for estimators that use a critic.
         index: ``(bs,)`` prompt uids, for group-based estimators.
+        reward_baselines: ``(bs,)`` greedy-response scores, for ``remax``.
         gamma, lam, norm_adv_by_std_in_grpo: forwarded when the estimator accepts them.
         extra: further keyword inputs for custom estimators.
 
@@ -393,6 +478,7 @@ def compute_advantage(
         "response_mask": response_mask,
         "values": values,
         "index": index,
+        "reward_baselines": reward_baselines,
         "gamma": gamma,
         "lam": lam,
         "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,

@@ -46,6 +46,7 @@ class PromptFeeder:
         n: int,
         incarnation: int,
         sampling: common_pb2.SamplingParams | None = None,
+        greedy_baseline: bool = False,
     ) -> None:
         self.queue = queue
         self.dataset = dataset
@@ -54,6 +55,7 @@ class PromptFeeder:
         self.n = n
         self.incarnation = incarnation
         self.sampling = sampling or common_pb2.SamplingParams()
+        self.greedy_baseline = greedy_baseline  # ReMax: each task also asks for a greedy baseline
         self.enqueued: dict[int, list[str]] = {}  # step -> group uids
         self._cursor_before: dict[int, dict[str, Any]] = {}
         # Every group enqueued and not yet trained on: uid -> (step, task, times enqueued), so a
@@ -78,6 +80,7 @@ class PromptFeeder:
             sampling_params=self.sampling,
             step=step,
             enqueued_unix_ms=int(time.time() * 1000),
+            greedy_baseline=self.greedy_baseline,
         )
 
     async def ensure(self, step: int, version: int, max_staleness: int) -> list[int]:
@@ -117,11 +120,18 @@ class PromptFeeder:
 
     async def replace(self, replaces: str, version: int) -> str:
         """Enqueues the next prompt of the data in place of group ``replaces`` (a prompt that failed
-        every time it was tried)."""
-        step, _, _ = self.outstanding.pop(replaces)
+        every time it was tried, or a group dynamic sampling dropped). Nothing changes when the put
+        fails, so it can be tried again."""
+        step, _, _ = self.outstanding[replaces]
+        before = copy.deepcopy(self.cursor.state_dict())
         item = self.dataset[self.cursor.next_indices(1)[0]]
         task = self.make_task(item, step, version)
-        await self.queue.put([task])
+        try:
+            await self.queue.put([task])
+        except BaseException:
+            self.cursor.load_state_dict(before)  # the next try draws the same prompt
+            raise
+        del self.outstanding[replaces]
         self.outstanding[task.group_uid] = (step, task, 1)
         return task.group_uid
 

@@ -47,6 +47,11 @@ SAMPLING_FIELDS = (
 )
 
 
+# What verl's ReMax changes for the greedy baseline (``apply_greedy_sampling_params``); the length
+# limit, stop conditions and the rest stay the task's.
+GREEDY_PARAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
+
+
 def sampling_dict(params: common_pb2.SamplingParams, defaults: dict[str, Any]) -> dict[str, Any]:
     """SGLang ``sampling_params`` from a task's proto (fields it set) over the replica's defaults.
     ValueError, naming the field, for a NaN or infinite number (JSON cannot carry one)."""
@@ -406,6 +411,9 @@ class SamplerLoop:
         error: BaseException,
         pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
     ) -> None:
+        if delivery.entry_id not in pending:
+            return  # both of a task's engine calls (samples, greedy baseline) refused it
+        pending.pop(delivery.entry_id)
         task = delivery.message
         log.error("task %s failed; dead-lettering it: %s", task.uid, error)
         self.metrics.tasks.labels("failed").inc()
@@ -416,7 +424,6 @@ class SamplerLoop:
             ),
             f"dead-letter {task.uid}",
         )
-        pending.pop(delivery.entry_id, None)
 
     async def _publish(self, sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]) -> None:
         """Writes the wave's trajectories in as few stream writes as the stream's bound allows (one,
@@ -454,7 +461,8 @@ class SamplerLoop:
     ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]:
         t0 = time.monotonic()
         now = time.time()
-        groups: dict[str, list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]]] = {}
+        # Keyed by (greedy baseline?, sampling params): a remax task is in two engine calls.
+        groups: dict[tuple[bool, str], list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]]] = {}
         for delivery in deliveries:
             task = delivery.message
             try:
@@ -465,38 +473,65 @@ class SamplerLoop:
             except ValueError as e:
                 await self._dead_letter(delivery, e, pending)
                 continue
-            groups.setdefault(json.dumps(params, sort_keys=True), []).append((delivery, params))
+            groups.setdefault((False, json.dumps(params, sort_keys=True)), []).append((delivery, params))
+            if task.greedy_baseline:
+                greedy = {**params, **GREEDY_PARAMS}
+                groups.setdefault((True, json.dumps(greedy, sort_keys=True)), []).append((delivery, greedy))
         if not groups:
             return []
         version_before = await self._engine_version()
         with self.generating:
             generated = await asyncio.gather(
-                *(self._generate_group(group, pending) for group in groups.values())
+                *(
+                    self._generate_group(group, pending, label="/baseline" if is_baseline else "")
+                    for (is_baseline, _), group in groups.items()
+                )
             )
         t_gen = time.monotonic()
         self.metrics.stage.labels("generate").observe(t_gen - t0)
+        baselines: dict[bytes, dict[str, Any]] = {}
+        outputs = []
+        for (is_baseline, _), group in zip(groups, generated, strict=True):
+            for delivery, outs in group:
+                if is_baseline:
+                    baselines[delivery.entry_id] = outs[0]
+                else:
+                    outputs.append((delivery, outs))
+        # A task the engine refused in either of its calls is dead-lettered: none of it is used.
         sampled = [
-            (delivery, self._trajectories(delivery.message, outs, version_before))
-            for group in generated
-            for delivery, outs in group
+            (
+                delivery,
+                self._trajectories(delivery.message, outs, version_before, baselines.get(delivery.entry_id)),
+            )
+            for delivery, outs in outputs
+            if delivery.entry_id in pending
+        ]
+        baseline_of = [
+            (delivery, baselines[delivery.entry_id])
+            for delivery, _ in sampled
+            if delivery.message.greedy_baseline
         ]
         trajs = [traj for _, group_trajs in sampled for traj in group_trajs]
         if not trajs:
             return []
-        tokens = sum(len(t.response_ids) for t in trajs)
+        tokens = sum(len(t.response_ids) for t in trajs) + sum(len(o["output_ids"]) for _, o in baseline_of)
         self.tokens_generated += tokens
         self.metrics.tokens.inc(tokens)
 
-        reward_task = asyncio.create_task(self._scores(sampled))
+        # The greedy baselines are scored in the same call; they need no reference (no KL, as verl).
+        reward_task = asyncio.create_task(self._scores(sampled, baseline_of))
         ref_task = asyncio.create_task(self._references(trajs)) if self.ref_logprobs else None
         (scores, reward_s), (refs, ref_s) = await asyncio.gather(
             reward_task, ref_task if ref_task else _none()
         )
-        for traj, result in zip(trajs, scores, strict=True):
+        for traj, result in zip(trajs, scores[: len(trajs)], strict=True):
             traj.score = result.score
             traj.reward_extra.update(result.extra)
             if result.HasField("error") and result.error.code:
                 traj.error.CopyFrom(result.error)
+        by_task = {delivery.entry_id: group_trajs for delivery, group_trajs in sampled}
+        for (delivery, _), result in zip(baseline_of, scores[len(trajs) :], strict=True):
+            set_baseline(by_task[delivery.entry_id], result)
         if refs is not None:
             for traj, result in zip(trajs, refs, strict=True):
                 if result.HasField("error") and result.error.code:
@@ -519,10 +554,16 @@ class SamplerLoop:
         return sampled
 
     def _trajectories(
-        self, task: trajectory_pb2.PromptTask, outs: list[dict[str, Any]], version_before: int
+        self,
+        task: trajectory_pb2.PromptTask,
+        outs: list[dict[str, Any]],
+        version_before: int,
+        baseline: dict[str, Any] | None = None,
     ) -> list[Traj]:
-        # Tag with the oldest weights that took part, so staleness is never under-counted.
-        engine_version = min(parse_version(o["meta_info"].get("weight_version")) for o in outs)
+        # Tag with the oldest weights that took part (the greedy baseline's included: it sets the
+        # advantages), so staleness is never under-counted.
+        took_part = outs if baseline is None else [*outs, baseline]
+        engine_version = min(parse_version(o["meta_info"].get("weight_version")) for o in took_part)
         version = min(version_before, engine_version) if version_before else engine_version
         self.policy_version = max(self.policy_version, engine_version)
         trajs = []
@@ -541,7 +582,7 @@ class SamplerLoop:
                     finish_reason=str(meta["finish_reason"].get("type", "")),
                     policy_version=version,
                     replica_id=self.settings.replica_id,
-                    response_text=o.get("text") or (self.decode(o["output_ids"]) if self.decode else ""),
+                    response_text=self._text(o),
                     ground_truth=task.ground_truth,
                     data_source=task.data_source,
                     step=task.step,
@@ -549,6 +590,9 @@ class SamplerLoop:
                 )
             )
         return trajs
+
+    def _text(self, output: dict[str, Any]) -> str:
+        return output.get("text") or (self.decode(output["output_ids"]) if self.decode else "")
 
     async def _engine_version(self) -> int:
         """The engine's weight version as generation starts. The learner pushes to engines directly,
@@ -566,20 +610,22 @@ class SamplerLoop:
         self,
         group: list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]],
         pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
+        label: str = "",
     ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[dict[str, Any]]]]:
         """Tasks with the same sampling params in one engine call; each task's outputs (prompt-major,
         as SGLang answers a batch). If the engine refuses the call, each task is asked for alone, so
-        only the one it refuses is dead-lettered."""
+        only the one it refuses is dead-lettered. ``label`` tells the request ids of a task's
+        greedy baseline from those of its samples."""
         params = group[0][1]
         try:
-            outs = await self._generate([d.message for d, _ in group], params)
+            outs = await self._generate([d.message for d, _ in group], params, label)
         except EngineError as e:
             if not e.rejected:
                 raise
             if len(group) == 1:
                 await self._dead_letter(group[0][0], e, pending)
                 return []
-            alone = await asyncio.gather(*(self._generate_group([item], pending) for item in group))
+            alone = await asyncio.gather(*(self._generate_group([item], pending, label) for item in group))
             return [item for one in alone for item in one]
         n = params["n"]
         if len(outs) != n * len(group):
@@ -590,7 +636,7 @@ class SamplerLoop:
         return [(delivery, outs[i * n : (i + 1) * n]) for i, (delivery, _) in enumerate(group)]
 
     async def _generate(
-        self, tasks: list[trajectory_pb2.PromptTask], params: dict[str, Any]
+        self, tasks: list[trajectory_pb2.PromptTask], params: dict[str, Any], label: str = ""
     ) -> list[dict[str, Any]]:
         """Generates, retrying while the engine is unreachable or failing (5xx); a 4xx refusal of
         the request itself is raised at once."""
@@ -619,26 +665,40 @@ class SamplerLoop:
         attempts = itertools.count(1)
 
         def rid() -> str:
-            return f"{tasks[0].uid}#{next(attempts)}"
+            return f"{tasks[0].uid}{label}#{next(attempts)}"
 
         return await self._call(generate, None, self.engine_breaker, "engine")
 
     async def _scores(
-        self, sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]
+        self,
+        sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]],
+        baselines: Sequence[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]] = (),
     ) -> tuple[list[reward_pb2.RewardResult], float]:
-        samples = [
-            reward_pb2.RewardSample(
-                uid=t.uid,
-                prompt_text=delivery.message.prompt_text,
-                prompt_ids=t.prompt_ids,
-                response_text=t.response_text,
-                response_ids=t.response_ids,
-                ground_truth=delivery.message.ground_truth,
-                data_source=delivery.message.data_source,
-                extra_info_json=delivery.message.extra_info_json,
+        """Results of every trajectory, in order, then of every greedy baseline (uid
+        ``<group_uid>/baseline``), in one ``Reward.Score`` call."""
+
+        def sample(
+            task: trajectory_pb2.PromptTask, uid: str, ids: Sequence[int], text: str
+        ) -> reward_pb2.RewardSample:
+            return reward_pb2.RewardSample(
+                uid=uid,
+                prompt_text=task.prompt_text,
+                prompt_ids=task.prompt_ids,
+                response_text=text,
+                response_ids=ids,
+                ground_truth=task.ground_truth,
+                data_source=task.data_source,
+                extra_info_json=task.extra_info_json,
             )
+
+        samples = [
+            sample(delivery.message, t.uid, t.response_ids, t.response_text)
             for delivery, trajs in sampled
             for t in trajs
+        ]
+        samples += [
+            sample(d.message, f"{d.message.group_uid}/baseline", o["output_ids"], self._text(o))
+            for d, o in baselines
         ]
         t0 = time.monotonic()
         results = await self._call(self.score, samples, self.reward_breaker, "reward")
@@ -680,6 +740,18 @@ class SamplerLoop:
         )
         self.metrics.breaker_open.labels(name).set(0)
         return result
+
+
+def set_baseline(trajs: Sequence[Traj], result: reward_pb2.RewardResult) -> None:
+    """The greedy baseline's score on each trajectory of its task; a baseline the reward service
+    could not score fails them all (ReMax cannot train them without it)."""
+    for traj in trajs:
+        if result.HasField("error") and result.error.code:
+            if not traj.HasField("error"):
+                traj.error.CopyFrom(result.error)
+                traj.error.message = f"greedy baseline: {result.error.message}"
+        else:
+            traj.baseline_score = result.score
 
 
 def _finish_type(output: dict[str, Any]) -> str:

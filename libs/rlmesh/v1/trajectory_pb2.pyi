@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PromptTask(_message.Message):
-    __slots__ = ("uid", "group_uid", "sample_offset", "n", "prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info_json", "policy_version", "sampling_params", "step", "validation", "enqueued_unix_ms")
+    __slots__ = ("uid", "group_uid", "sample_offset", "n", "prompt_ids", "prompt_text", "ground_truth", "data_source", "extra_info_json", "policy_version", "sampling_params", "step", "validation", "enqueued_unix_ms", "greedy_baseline")
     UID_FIELD_NUMBER: _ClassVar[int]
     GROUP_UID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class PromptTask(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
     ENQUEUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_BASELINE_FIELD_NUMBER: _ClassVar[int]
     uid: str
     group_uid: str
     sample_offset: int
@@ -37,7 +38,8 @@ class PromptTask(_message.Message):
     step: int
     validation: bool
     enqueued_unix_ms: int
-    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., sample_offset: _Optional[int] = ..., n: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., policy_version: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., enqueued_unix_ms: _Optional[int] = ...) -> None: ...
+    greedy_baseline: bool
+    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., sample_offset: _Optional[int] = ..., n: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., extra_info_json: _Optional[str] = ..., policy_version: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., enqueued_unix_ms: _Optional[int] = ..., greedy_baseline: _Optional[bool] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("queue_wait_s", "generate_s", "reward_s", "reference_s", "total_s")
@@ -54,7 +56,7 @@ class StageTimings(_message.Message):
     def __init__(self, queue_wait_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., reference_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error")
+    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error", "baseline_score")
     class RewardExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class Trajectory(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_SCORE_FIELD_NUMBER: _ClassVar[int]
     uid: str
     group_uid: str
     task_uid: str
@@ -102,7 +105,8 @@ class Trajectory(_message.Message):
     step: int
     validation: bool
     error: _common_pb2.SampleError
-    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ...) -> None: ...
+    baseline_score: float
+    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ..., baseline_score: _Optional[float] = ...) -> None: ...
 
 class TrajectoryBatch(_message.Message):
     __slots__ = ("trajectories", "step")

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.batch import validate_trajectory
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.rollout.resilience import CircuitBreaker
@@ -56,6 +57,32 @@ class LengthReward(reward_pb2_grpc.RewardServicer):
                         uid=s.uid, score=len(s.response_ids) / 10, extra={"len": len(s.response_ids)}
                     )
                 )
+        return reward_pb2.ScoreResponse(results=results)
+
+
+class TokenSumReward(reward_pb2_grpc.RewardServicer):
+    """score = sum of the response's token ids / 1000 (responses differ, so do their scores); keeps
+    every sample it was sent; a sample whose uid is in ``fail`` fails with a per-sample error."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.calls = []  # samples per call
+        self.samples = {}  # uid -> RewardSample
+
+    @staticmethod
+    def score_of(response_ids):
+        return sum(response_ids) / 1000
+
+    async def Score(self, request, context):
+        self.calls.append(len(request.samples))
+        results = []
+        for s in request.samples:
+            self.samples[s.uid] = s
+            if s.uid in self.fail:
+                error = common_pb2.SampleError(code=common_pb2.ERROR_CODE_FUNCTION_FAILED, message="no")
+                results.append(reward_pb2.RewardResult(uid=s.uid, error=error))
+            else:
+                results.append(reward_pb2.RewardResult(uid=s.uid, score=self.score_of(s.response_ids)))
         return reward_pb2.ScoreResponse(results=results)
 
 
@@ -190,15 +217,17 @@ def reference_model(model_dir):
 
 
 @contextlib.asynccontextmanager
-async def running_sampler(stack, reference_model, *, reward_up=True, traj_maxlen=100_000, **settings):
+async def running_sampler(
+    stack, reference_model, *, reward_up=True, traj_maxlen=100_000, reward=None, **settings
+):
     """A sampler on the real engine with fresh queues, a reference server and (unless
-    ``reward_up=False``) a reward server on ``ctx.reward_port``; everything stops on exit,
-    servers the test appended to ``ctx.servers`` included. ``settings`` override the
-    ``SamplerSettings``."""
+    ``reward_up=False``) a reward server on ``ctx.reward_port`` (``reward``, default a
+    ``LengthReward``); everything stops on exit, servers the test appended to ``ctx.servers``
+    included. ``settings`` override the ``SamplerSettings``."""
     redis_server, engine = stack
     keys = RunKeys(f"s-{uuid.uuid4().hex[:6]}")
     reward_port = free_port()
-    reference, reward = ModelReference(reference_model), LengthReward()
+    reference, reward = ModelReference(reference_model), reward or LengthReward()
     servers = [await start_server(reference, reference_pb2_grpc.add_ReferenceServicer_to_server, "reference")]
     if reward_up:
         servers.append(
@@ -412,3 +441,69 @@ async def test_a_full_trajectory_stream_holds_the_task_until_the_learner_consume
         while await ctx.prompts.length():
             assert loop.time() < deadline, "the held task was never acked"
             await asyncio.sleep(0.02)
+
+
+def greedy_decode(model, prompt, length):
+    """Argmax continuation of ``prompt`` by the reference model (the engine's weights), token by token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(length):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+async def test_a_remax_task_is_baselined_by_its_greedy_response_scored_by_the_reward_service(
+    stack, reference_model
+):
+    reward = TokenSumReward()
+    async with running_sampler(stack, reference_model, reward=reward, claim_block_ms=20_000) as ctx:
+        await eventually(lambda: blocked_reads(ctx.redis), 1, "the sampler to block on the empty stream")
+        await ctx.sampler.pause()
+        # One wave: a remax task (temperature 1 samples + one greedy baseline) and a plain one.
+        await ctx.prompts.put([task("rx", n=3, greedy_baseline=True), task("plain", n=3, prompt=(8, 9))])
+        ctx.sampler.resume()
+        trajs = await collect(ctx.redis, ctx.keys, 6)
+        await eventually(ctx.prompts.length, 0, "the tasks to be acked")
+        # The baseline is never published: only the n samples of each task are trajectories.
+        assert sorted(t.uid for t in trajs) == [f"g-{g}/{i}" for g in ("plain", "rx") for i in range(3)]
+        assert await ctx.redis.xlen(ctx.keys.trajectories) == 6
+
+        # The reward service scored the greedy response with the samples, in one call; the
+        # reference was asked for the samples only (no KL on the baseline).
+        assert reward.calls == [7] and ctx.reference.calls == [6]
+        baseline = reward.samples["g-rx/baseline"]
+        assert list(baseline.prompt_ids) == [5, 6, 7] and baseline.ground_truth == "42"
+        assert list(baseline.response_ids) == greedy_decode(reference_model, (5, 6, 7), 6)
+        # The two tasks' samples (same settings) in one engine call, the greedy response in another.
+        assert sorted(ctx.sampler.engine.calls) == [1, 2]
+
+        expected = TokenSumReward.score_of(greedy_decode(reference_model, (5, 6, 7), 6))
+        for t in trajs:
+            assert not t.HasField("error")
+            assert t.score == TokenSumReward.score_of(t.response_ids)
+            if t.group_uid == "g-rx":
+                assert t.HasField("baseline_score") and t.baseline_score == pytest.approx(expected)
+            else:
+                assert not t.HasField("baseline_score")
+
+
+async def test_a_baseline_the_reward_service_fails_fails_its_samples(stack, reference_model):
+    reward = TokenSumReward(fail={"g-bf/baseline"})
+    async with running_sampler(stack, reference_model, reward=reward) as ctx:
+        # "bad" is refused by the engine in both its calls (samples and greedy baseline): one
+        # dead letter, and nothing of it published.
+        await ctx.prompts.put(
+            [task("bf", n=2, greedy_baseline=True), task("bad", prompt=(5, 100000), greedy_baseline=True)]
+        )
+        trajs = await collect(ctx.redis, ctx.keys, 2)
+        assert sorted(t.uid for t in trajs) == ["g-bf/0", "g-bf/1"]
+        for t in trajs:
+            # Published with the reason (the task is done), never trained on: the learner refuses it.
+            assert not t.HasField("baseline_score")
+            assert t.error.code == common_pb2.ERROR_CODE_FUNCTION_FAILED
+            assert t.error.message == "greedy baseline: no"
+            assert validate_trajectory(t, needs_baseline=True).startswith("error:")
+        await eventually(ctx.prompts.length, 0, "the tasks to be acked or dead-lettered")
+        ((_, fields),) = await ctx.redis.xrange(ctx.keys.dead_letters)
+        assert trajectory_pb2.PromptTask.FromString(fields[b"p"]).uid == "bad"
+        assert await ctx.redis.xlen(ctx.keys.trajectories) == 2

@@ -16,11 +16,13 @@ from rlmesh.algo import (
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
     get_adv_estimator_fn,
     group_indices,
     register_adv_est,
 )
+from rlmesh.algo.advantages import compute_gpg_outcome_advantage
 
 F64 = torch.float64
 
@@ -176,6 +178,43 @@ def test_rloo_by_hand():
     assert returns is advantages
 
 
+def test_gpg_by_hand():
+    # SCORES: 5 of 6 non-zero, alpha = 6/5; group means a 2/3, b (alone) 0, c 2.
+    advantages, returns = compute_gpg_outcome_advantage(_rewards(), torch.ones(6, 2), INDEX)
+    alpha = 6 / 5
+    expected = [alpha / 3, alpha * 0.5, -alpha * 2 / 3, 0.0, alpha / 3, 0.0]
+    assert advantages[:, 1].tolist() == pytest.approx(expected)
+    assert advantages[:, 0].tolist() == pytest.approx(expected)  # broadcast over the response
+    assert returns is advantages
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpg_equals_verls_definition(seed):
+    # verl's compute_gpg_outcome_advantage, as a loop: alpha = bsz / max(1, #non-zero scores),
+    # A_i = alpha * (s_i - mean of its group) / f_norm, a group of one has mean 0.
+    gen = torch.Generator().manual_seed(seed)
+    bsz, width = 12, 5
+    scores = torch.randint(0, 3, (bsz,), generator=gen).to(F64)
+    index = np.array([str(i // 3) for i in range(bsz - 1)] + ["alone"], dtype=object)
+    mask = torch.ones(bsz, width)
+    mask[3, 3:] = 0
+    rewards = torch.zeros(bsz, width, dtype=F64)
+    for i in range(bsz):
+        rewards[i, int(mask[i].sum()) - 1] = scores[i]
+    nonzero = sum(1 for s in scores.tolist() if s != 0)
+    alpha = bsz / max(1, nonzero)
+    expected = torch.zeros(bsz, width, dtype=F64)
+    for i in range(bsz):
+        group = [scores[j].item() for j in range(bsz) if index[j] == index[i]]
+        mean = sum(group) / len(group) if len(group) > 1 else 0.0
+        for t in range(width):
+            expected[i, t] = alpha * (scores[i].item() - mean) / 2.0 * mask[i, t].item()
+    advantages, _ = compute_gpg_outcome_advantage(rewards, mask, index, f_norm=2.0)
+    torch.testing.assert_close(advantages, expected)
+    via_registry, _ = compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
+    torch.testing.assert_close(via_registry, compute_gpg_outcome_advantage(rewards, mask, index)[0])
+
+
 def test_reinforce_plus_plus_by_hand():
     # gamma = 0.5. Row 0 rewards [0, 0, 1] -> G = [0.25, 0.5, 1].
     # Row 1 rewards [0, 1, 5] with the last token padding -> G = [0.5, 1, 5]; padding resets G.
@@ -198,6 +237,69 @@ def test_reinforce_plus_plus_baseline_by_hand():
     whitened = _whiten([c for c in centred for _ in range(2)])
     assert advantages.flatten().tolist() == pytest.approx(whitened)
     assert returns is advantages
+
+
+# ---------------------------------------------------------------- ReMax
+
+
+def _remax_by_definition(rewards, baselines, mask):
+    """verl's ReMax written out per sample and token: R_t = sum over t' >= t of m_t' r_t', and
+    A_t = R_t - b (times m_t)."""
+    bs, length = rewards.shape
+    advantages = [[0.0] * length for _ in range(bs)]
+    returns = [[0.0] * length for _ in range(bs)]
+    for i in range(bs):
+        for t in range(length):
+            r = sum(float(rewards[i, u]) for u in range(t, length) if mask[i, u])
+            returns[i][t] = r
+            advantages[i][t] = r - float(baselines[i]) * int(mask[i, t])
+    return advantages, returns
+
+
+def test_remax_by_hand():
+    # Row 0: rewards [0, 0, 1], baseline 0.25 -> R = [1, 1, 1], A = [0.75, 0.75, 0.75].
+    # Row 1: rewards [0, 2, 5] with the last token padding, baseline 1.5 -> R = [2, 2, 0],
+    # A = [0.5, 0.5, 0] (no baseline on padding).
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = compute_remax_outcome_advantage(rewards, torch.tensor([0.25, 1.5], dtype=F64), mask)
+    assert returns.tolist() == [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]
+    assert advantages.tolist() == [[0.75, 0.75, 0.75], [0.5, 0.5, 0.0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_remax_with_kl_in_reward_equals_the_definition(seed):
+    # KL in the reward: r_t = -beta * (log pi - log pi_ref) on every token, plus the score on the
+    # last valid one; the baseline is the greedy response's score alone (no KL), as in verl.
+    gen = torch.Generator().manual_seed(seed)
+    bs, length, beta = 5, 7, 0.1
+    lengths = torch.randint(1, length + 1, (bs,), generator=gen)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    mask[0, 2] = 0  # a multi-turn observation token inside row 0's response
+    logp, ref = (
+        torch.randn(bs, length, generator=gen, dtype=F64),
+        torch.randn(bs, length, generator=gen, dtype=F64),
+    )
+    scores = torch.rand(bs, generator=gen, dtype=F64)
+    baselines = torch.rand(bs, generator=gen, dtype=F64)
+    rewards = -beta * (logp - ref) * mask
+    for i in range(bs):
+        rewards[i, int(lengths[i]) - 1] += scores[i]
+    advantages, returns = compute_remax_outcome_advantage(rewards, baselines, mask)
+    expected_adv, expected_ret = _remax_by_definition(rewards, baselines, mask)
+    assert advantages.tolist() == [pytest.approx(row) for row in expected_adv]
+    assert returns.tolist() == [pytest.approx(row) for row in expected_ret]
+
+
+def test_remax_through_compute_advantage_needs_the_baselines():
+    rewards, mask = _rewards(), torch.ones(6, 2)
+    baselines = torch.linspace(0, 1, 6, dtype=F64)
+    adv, ret = compute_advantage("remax", rewards, mask, reward_baselines=baselines, index=INDEX, gamma=0.5)
+    direct_adv, direct_ret = compute_remax_outcome_advantage(rewards, baselines, mask)
+    assert torch.equal(adv, direct_adv) and torch.equal(ret, direct_ret)
+    with pytest.raises(ValueError, match="needs 'reward_baselines'"):
+        compute_advantage("remax", rewards, mask, index=INDEX)
 
 
 @pytest.mark.parametrize(
@@ -250,6 +352,7 @@ def test_masked_positions_never_change_advantages(seed, bs, length, junk):
         lambda r, v: compute_rloo_outcome_advantage(r, mask, index),
         lambda r, v: compute_reinforce_plus_plus_outcome_advantage(r, mask, 0.99),
         lambda r, v: compute_reinforce_plus_plus_baseline_outcome_advantage(r, mask, index),
+        lambda r, v: compute_remax_outcome_advantage(r, v[:, 0], mask),
     ]
     for call in calls:
         clean_adv, clean_ret = call(rewards, values)
@@ -261,7 +364,7 @@ def test_masked_positions_never_change_advantages(seed, bs, length, junk):
 # ---------------------------------------------------------------- registry
 
 
-def test_registry_holds_the_five_estimators():
+def test_registry_holds_the_built_in_estimators():
     assert get_adv_estimator_fn("gae") is compute_gae_advantage_return
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
     assert get_adv_estimator_fn("rloo") is compute_rloo_outcome_advantage
@@ -270,6 +373,7 @@ def test_registry_holds_the_five_estimators():
         get_adv_estimator_fn(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
         is compute_reinforce_plus_plus_baseline_outcome_advantage
     )
+    assert get_adv_estimator_fn(AdvantageEstimator.REMAX) is compute_remax_outcome_advantage
 
 
 def test_unknown_estimator_lists_known_ones():
