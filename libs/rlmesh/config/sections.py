@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config.base import KLPenalty, LossAggMode, Section, Strategy, compat, strategy_field
 from rlmesh.config.optim import (
@@ -17,7 +17,9 @@ from rlmesh.config.optim import (
     effective_engine,
 )
 
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AdvEstimator = Literal[
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg"
+]
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 # Estimators that compare samples of one prompt with each other: one sample per prompt is meaningless.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -79,6 +81,10 @@ class DataConfig(Section):
     return_multi_modal_inputs: Any = compat(True)
     sampler: Any = compat({"class_path": None, "class_name": None})
     datagen: Any = compat({"path": None, "name": None})
+    gen_batch_size: Any = compat(None)
+    function_tool_path: Any = compat(None)
+    audio_key: Any = compat(None)
+    mm_processor_kwargs: Any = compat({})
 
 
 class CriticModelConfig(Section):
@@ -109,6 +115,15 @@ class CriticModelConfig(Section):
     use_shm: Any = compat(False)
     enable_activation_offload: Any = compat(False)
     tiled_mlp: Any = compat({"enabled": False, "num_shards": 4})
+    hf_config_path: Any = compat(None)
+    custom_chat_template: Any = compat(None)
+    exclude_modules: Any = compat(None)
+    lora_adapter_path: Any = compat(None)
+    use_liger: Any = compat(False)
+    use_fused_kernels: Any = compat(False)
+    fused_kernel_options: Any = compat({})
+    mtp: Any = compat({})
+    lora: Any = compat({})
 
 
 class CriticConfig(Section):
@@ -159,6 +174,8 @@ class CriticConfig(Section):
     profiler: Any = compat({})
     ulysses_sequence_parallel_size: Any = compat(1)
     megatron: Any = compat(None)
+    fsdp: Any = compat({})
+    loss_scale_factor: Any = compat(None)
 
     def effective_engine(self) -> EngineSettings:
         """ZeRO settings after mapping verl's critic.model.fsdp_config onto deepspeed_config."""
@@ -185,6 +202,57 @@ class RewardModelModelConfig(Section):
     fsdp_config: Any = compat({})
 
 
+class OverlongBufferConfig(Section):
+    """DAPO's overlong reward shaping (verl's recipe/dapo reward_model.overlong_buffer)."""
+
+    enable: bool = Field(
+        False,
+        description="penalise responses longer than max_resp_len - len tokens (the dapo reward manager's)",
+    )
+    len: int = Field(
+        0,
+        ge=0,
+        description="tokens before the response limit over which the penalty grows from 0 to penalty_factor; "
+        "must be positive and at most the response limit when enabled",
+    )
+    penalty_factor: float = Field(0.0, description="the penalty at the response limit")
+    log: bool = Field(
+        False,
+        description="also return overlong_reward and overlong (0 or 1) among each sample's reward extras",
+    )
+
+
+class RewardKwargsConfig(Section):
+    """What verl's main trainer passes to its reward manager (``+reward_model.reward_kwargs.*``); the
+    dapo manager's keys are known."""
+
+    max_resp_len: int | None = Field(
+        None,
+        gt=0,
+        description="the response limit the overlong penalty counts from; null = data.max_response_length",
+    )
+    overlong_buffer_cfg: OverlongBufferConfig = Field(
+        default_factory=OverlongBufferConfig,
+        description="the overlong penalty, as reward_model.overlong_buffer; when set (not all at the "
+        "defaults), it is read instead",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("overlong_buffer_cfg", {}) is None:
+            data = {k: v for k, v in data.items() if k != "overlong_buffer_cfg"}
+        return data
+
+    def given_overlong_buffer(self) -> OverlongBufferConfig | None:
+        """overlong_buffer_cfg when the config set it (other than verl's defaults), else None."""
+        return self.overlong_buffer_cfg if self.overlong_buffer_cfg != OverlongBufferConfig() else None
+
+
+RewardManagerName = Literal["naive", "dapo"]
+REWARD_MANAGERS: tuple[str, ...] = get_args(RewardManagerName)
+
+
 class RewardModelConfig(Section):
     """A model-based reward (verl reward_model/*.yaml); rule-based rewards need none of it."""
 
@@ -196,7 +264,19 @@ class RewardModelConfig(Section):
         None, gt=0, description="samples per forward; null = whole batch"
     )
     max_length: int | None = Field(None, gt=0, description="max tokens scored per sample; null = no limit")
-    reward_manager: Any = compat("naive")
+    reward_manager: RewardManagerName | None = Field(
+        "naive",
+        description="verl's reward manager: naive (the function's score as is) or dapo (records acc for a "
+        "function that returns a number, every key of a dict, and adds the overlong penalty); batch and "
+        "prime are refused; null = naive",
+    )
+    overlong_buffer: OverlongBufferConfig = Field(
+        default_factory=OverlongBufferConfig, description="DAPO's overlong penalty (reward_manager=dapo)"
+    )
+    reward_kwargs: RewardKwargsConfig = Field(
+        default_factory=RewardKwargsConfig,
+        description="verl's main-trainer spelling of the dapo manager's settings",
+    )
     enable_resource_pool: Any = compat(False)
     n_gpus_per_node: Any = compat(8)
     nnodes: Any = compat(0)
@@ -214,6 +294,51 @@ class RewardModelConfig(Section):
     use_reward_loop: Any = compat(True)
     num_workers: Any = compat(1)
     rollout: Any = compat({})
+
+    @field_validator("reward_manager", mode="before")
+    @classmethod
+    def _known_manager(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in REWARD_MANAGERS:
+            raise ValueError(
+                f"reward manager {value!r} is not implemented: the reward service calls the reward function "
+                "once per sample, as verl's 'naive' manager (the default) does, or adds DAPO's overlong "
+                "penalty too ('dapo'). A function written for verl's 'batch' manager must score one sample "
+                "per call; for 'prime' use 'naive': the service already scores samples in parallel "
+                "(rlmesh.reward.workers)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _overlong_needs_dapo(self) -> RewardModelConfig:
+        given = self.reward_kwargs.given_overlong_buffer()
+        if given is not None and self.overlong_buffer.enable and given != self.overlong_buffer:
+            raise ValueError(
+                "reward_model.overlong_buffer and reward_model.reward_kwargs.overlong_buffer_cfg are two "
+                "spellings of one setting and disagree: give one"
+            )
+        buffer = self.overlong()
+        if buffer.enable and self.reward_manager != "dapo":
+            raise ValueError(
+                "the overlong penalty (overlong_buffer.enable) is the dapo reward manager's: set "
+                f"reward_model.reward_manager=dapo (it is {self.reward_manager!r})"
+            )
+        if buffer.enable and buffer.len <= 0:
+            raise ValueError(
+                "reward_model.overlong_buffer.len must be positive when the overlong penalty is enabled; "
+                "to turn it off, set overlong_buffer.enable=false"
+            )
+        limit = self.reward_kwargs.max_resp_len
+        if buffer.enable and limit is not None and limit < buffer.len:
+            raise ValueError(
+                f"reward_model.reward_kwargs.max_resp_len ({limit}) must be at least the overlong buffer's "
+                f"len ({buffer.len})"
+            )
+        return self
+
+    def overlong(self) -> OverlongBufferConfig:
+        """The overlong penalty's settings: reward_kwargs.overlong_buffer_cfg when given, else overlong_buffer."""
+        given = self.reward_kwargs.given_overlong_buffer()
+        return given if given is not None else self.overlong_buffer
 
 
 class CustomRewardFunctionConfig(Section):
@@ -249,6 +374,9 @@ class RolloutCorrectionConfig(Section):
     rollout_is_batch_normalize: bool = Field(False, description="rescale IS weights to mean 1 per batch")
     rollout_rs: None = Field(None, description="rejection sampling; not implemented in rlmesh, must be null")
     rollout_rs_threshold: Any = compat(None)
+    rollout_rs_threshold_lower: Any = compat(None)
+    rollout_token_veto_threshold: Any = compat(None)
+    use_policy_gradient: Any = compat(False)
     bypass_mode: bool = Field(
         False,
         description="use the rollout's log-probs as the old log-probs and skip the actor's "
@@ -256,6 +384,32 @@ class RolloutCorrectionConfig(Section):
         "them. The IS correction then has nothing to correct and is off",
     )
     loss_type: Any = compat("ppo_clip")
+
+
+# filter_groups.metric values that name the sequence reward rather than a reward extra.
+SEQUENCE_REWARD_METRICS = ("reward", "seq_reward", "seq_final_reward")
+
+
+class FilterGroupsConfig(Section):
+    """DAPO's dynamic sampling (verl algorithm.filter_groups): groups that teach nothing are replaced."""
+
+    enable: bool = Field(
+        False,
+        description="drop each prompt group whose metric is the same for all its samples (std 0; a group of "
+        "one sample is kept) and draw new prompts in its place until data.train_batch_size groups are kept",
+    )
+    metric: str | None = Field(
+        "reward",
+        description="what a group is compared on: reward or seq_reward (the sequence score, the overlong "
+        "penalty included), seq_final_reward (the same; refused with use_kl_in_reward), or a reward extra "
+        "such as acc or score (reward_manager=dapo records acc for a function that returns a number)",
+    )
+    max_num_gen_batches: int = Field(
+        0,
+        description="fail the run when a step has drawn this many data.train_batch_size batches of prompts "
+        "and still keeps too few groups (verl's error); <= 0 = no limit",
+    )
+    max_inflight_gen_batches: Any = compat(1)
 
 
 class AlgorithmConfig(Section):
@@ -275,7 +429,27 @@ class AlgorithmConfig(Section):
         False, description="verl's preference-feedback PPO; not implemented, must be false"
     )
     pf_ppo: Any = compat({"reweight_method": "pow", "weight_pow": 2.0})
-    filter_groups: Any = compat(None)
+    filter_groups: FilterGroupsConfig = Field(
+        default_factory=FilterGroupsConfig, description="DAPO's dynamic sampling"
+    )
+
+    @field_validator("filter_groups", mode="before")
+    @classmethod
+    def _no_filter_groups(cls, value: Any) -> Any:
+        return {} if value is None else value  # verl's AlgoConfig default: null, i.e. off
+
+    @model_validator(mode="after")
+    def _filter_metric(self) -> AlgorithmConfig:
+        fg = self.filter_groups
+        if fg.enable and not fg.metric:
+            raise ValueError("algorithm.filter_groups.metric must be set when group filtering is enabled")
+        if fg.enable and fg.metric == "seq_final_reward" and self.use_kl_in_reward:
+            raise ValueError(
+                "algorithm.filter_groups.metric=seq_final_reward with use_kl_in_reward: the KL-penalised "
+                "reward needs the learner's log-probs, which exist only once the batch is chosen; filter "
+                "on seq_reward (the same reward before the KL penalty)"
+            )
+        return self
 
 
 class TrainerConfig(Section):
@@ -353,6 +527,13 @@ class TrainerConfig(Section):
     del_local_ckpt_after_load: Any = compat(False)
     ray_wait_register_center_timeout: Any = compat(300)
     use_legacy_worker_impl: Any = compat("auto")
+    profile_steps: Any = compat(None)
+    controller_nsight_options: Any = compat({})
+    worker_nsight_options: Any = compat({})
+    npu_profile: Any = compat({})
+    use_v1: Any = compat(False)
+    v1: Any = compat({})
+    checkpoint_callback_class: Any = compat(None)
 
     @field_validator("logger", mode="before")
     @classmethod

@@ -1,6 +1,5 @@
-"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once.
-
-docs/reliability.md#collecting-a-step"""
+"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once; with dynamic
+sampling only the groups ``keep_group`` keeps. docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ class Group:
     trajectories: list[Trajectory] = field(default_factory=list)
     entry_ids: list[bytes] = field(default_factory=list)
     dropped: int = 0
+    checked: bool = False  # seen complete by keep_group (and kept)
 
     def complete(self, n: int) -> bool:
         return len(self.trajectories) + self.dropped >= n
@@ -37,6 +37,7 @@ class StepBatch:
     counts: dict[str, int]
     wait_s: float
     groups: list[str] = field(default_factory=list)  # the group uids taken
+    filtered: dict[str, int] = field(default_factory=dict)  # groups keep_group dropped -> their samples
 
 
 class BatchCollector:
@@ -49,9 +50,12 @@ class BatchCollector:
         max_staleness: int,
         validate: Callable[[Trajectory], str | None],
         wanted: Callable[[str], bool] | None = None,
+        keep_group: Callable[[Sequence[Trajectory]], bool] | None = None,
     ) -> None:
         self.collector = collector
         self.wanted = wanted  # group uid -> still waited for; None: every group is
+        self.keep_group = keep_group  # a complete group's samples -> trained on; None: every group is
+        self._filtered: dict[str, int] = {}
         self.n = n
         self.incarnation = incarnation
         self.max_staleness = max_staleness
@@ -100,6 +104,24 @@ class BatchCollector:
         self._discarded_ids.append(entry_id)
         self._discarded_uids.append(traj.uid)
 
+    def _filter_groups(self) -> list[str]:
+        """Drops each newly complete group ``keep_group`` rejects; its entries are acked and its uids
+        marked used with the next commit, as any discarded sample's. Returns the uids dropped."""
+        if self.keep_group is None:
+            return []
+        dropped = []
+        for gid, group in list(self.groups.items()):
+            if group.checked or not group.complete(self.n):
+                continue
+            group.checked = True
+            if not self.keep_group(group.trajectories):
+                del self.groups[gid]
+                self._discarded_ids += group.entry_ids
+                self._discarded_uids += [t.uid for t in group.trajectories]
+                self._filtered[gid] = len(group.trajectories)
+                dropped.append(gid)
+        return dropped
+
     async def collect(
         self,
         batch_groups: int,
@@ -107,8 +129,10 @@ class BatchCollector:
         timeout_s: float,
         requeue: Callable[[Trajectory], Awaitable[None]],
         on_progress: Callable[[int, int], None] | None = None,
+        refill: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> StepBatch:
-        """Waits until ``batch_groups`` complete groups are in (or ``timeout_s``: TimeoutError)."""
+        """Waits until ``batch_groups`` complete groups are in (or ``timeout_s``: TimeoutError).
+        ``refill`` gets the uids of the groups ``keep_group`` dropped, to draw prompts in their place."""
         start = time.monotonic()
         while sum(g.complete(self.n) for g in self.groups.values()) < batch_groups:
             if time.monotonic() - start > timeout_s:
@@ -133,6 +157,9 @@ class BatchCollector:
                 await self.collector.queue.ack(redundant)
             for traj in stale_groups.values():
                 await requeue(traj)
+            dropped = self._filter_groups()
+            if dropped and refill is not None:
+                await refill(dropped)
             if on_progress:
                 on_progress(sum(g.complete(self.n) for g in self.groups.values()), batch_groups)
         taken = [gid for gid, g in self.groups.items() if g.complete(self.n)][:batch_groups]
@@ -144,6 +171,7 @@ class BatchCollector:
             ids += group.entry_ids
             uids += [t.uid for t in group.trajectories]
         self._discarded_ids, self._discarded_uids = [], []
+        filtered, self._filtered = self._filtered, {}
         counts = dict(self.counts)
         self.counts = dict.fromkeys(self.counts, 0)
         return StepBatch(
@@ -153,6 +181,7 @@ class BatchCollector:
             counts=counts,
             wait_s=time.monotonic() - start,
             groups=taken,
+            filtered=filtered,
         )
 
     def complete_groups(self) -> set[str]:

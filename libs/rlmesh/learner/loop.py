@@ -29,7 +29,9 @@ from rlmesh.learner.batch import validate_trajectory
 from rlmesh.learner.checkpoint import latest_checkpoint
 from rlmesh.learner.collect import BatchCollector, StepBatch
 from rlmesh.learner.commands import Followers, RankCommand, run_collective
+from rlmesh.learner.dynamic_sampling import GenBatches, GroupFilter, draw_in_place
 from rlmesh.learner.feeder import PromptFeeder, index_of
+from rlmesh.learner.models import first_policy_version
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.validation import run_validation, select_generations, val_sampling
@@ -118,7 +120,9 @@ class TrainingLoop:
         self.cfg = cfg
         self.state = LoopState(paused=cfg.rlmesh.learner.start_paused)
         self.keys = RunKeys(cfg.rlmesh.run_id or "default")
-        self.tokenizer = load_tokenizer(cfg.tokenizer_path())
+        self.tokenizer = load_tokenizer(
+            cfg.tokenizer_path(), chat_template=cfg.actor_rollout_ref.model.custom_chat_template
+        )
         self.train_set = RLHFDataset.from_config(cfg.data, self.tokenizer, split="train")
         self.val_set = (
             RLHFDataset.from_config(cfg.data, self.tokenizer, split="val") if cfg.data.val_files else None
@@ -164,6 +168,9 @@ class TrainingLoop:
         # replicas). A colocated reference recomputes them in the trainer: whatever a trajectory
         # carries (a replica of an older config) is ignored.
         self._ref_from_replicas = cfg.uses_reference() and not cfg.rlmesh.reference.colocated
+        # DAPO's dynamic sampling: the prompts each step draws (algorithm.filter_groups).
+        self.filter_groups = cfg.algorithm.filter_groups
+        self.gen_batches = GenBatches(cfg.data.train_batch_size, self.filter_groups.max_num_gen_batches)
 
     # ----- setup -----
     async def _connect(self) -> None:
@@ -213,14 +220,20 @@ class TrainingLoop:
             n=rollout.n,
             incarnation=self.incarnation,
             sampling=sampling,
+            greedy_baseline=cfg.algorithm.adv_estimator == "remax",
         )
         self.collector = BatchCollector(
             TrajectoryCollector(trajs, self.keys.used_uids),
             n=rollout.n,
             incarnation=self.incarnation,
             max_staleness=cfg.rlmesh.max_staleness,
-            validate=functools.partial(validate_trajectory, needs_ref=self._ref_from_replicas),
+            validate=functools.partial(
+                validate_trajectory,
+                needs_ref=self._ref_from_replicas,
+                needs_baseline=cfg.algorithm.adv_estimator == "remax",
+            ),
             wanted=lambda gid: gid in self.feeder.outstanding,
+            keep_group=GroupFilter(self.filter_groups.metric) if self.filter_groups.enable else None,
         )
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
         self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)
@@ -363,6 +376,12 @@ class TrainingLoop:
         def progress(have: int, want: int) -> None:
             self.state.message = f"step {step}: {have}/{want} prompt groups collected"
 
+        self.gen_batches.start_step()
+
+        async def refill(dropped: list[str]) -> None:
+            # DAPO: a new prompt of the data in place of each group whose samples all scored alike.
+            await draw_in_place(self.feeder, self.gen_batches, dropped, step, self.state.version)
+
         unreachable_since: float | None = None
         while True:
             try:
@@ -373,6 +392,7 @@ class TrainingLoop:
                         timeout_s=5.0,
                         requeue=requeue,
                         on_progress=progress,
+                        refill=refill,
                     )
                 except TimeoutError:  # the builtin one: nothing complete yet
                     pass
@@ -399,6 +419,8 @@ class TrainingLoop:
         try:
             await self._connect()
             self._resume()
+            if self.state.step == 0:  # an engine that has not had the push below takes no work
+                self.state.version = first_policy_version(cfg.actor_rollout_ref.model.lora_adapter_path)
             self.state.phase = "PUSHING_WEIGHTS"
             self.progress(
                 f"run {self.keys.run_id}: {self.state.total_steps} steps, waiting for rollout replicas"
@@ -588,6 +610,14 @@ class TrainingLoop:
                 **_rollout_timings(collected.trajectories),
             }
         )
+        if self.filter_groups.enable:  # verl's DAPO recipe's and its V1 trainer's names
+            metrics.update(
+                {
+                    "train/num_gen_batches": float(self.gen_batches.num_gen_batches),
+                    "training/filter_groups/evicted_samples": float(len(collected.filtered)),
+                    "training/filter_groups/kept_groups": float(len(collected.groups)),
+                }
+            )
         if (
             self.val_set is not None
             and cfg.trainer.test_freq > 0
@@ -607,7 +637,14 @@ class TrainingLoop:
             "incarnation": self.feeder.incarnation,
             "prompts": [index_of(g) for g in collected.groups],
             "groups": {g: samples[g] for g in collected.groups},
+            # ReMax: each group's greedy baseline score (what its advantages were taken against).
+            "baselines": {
+                t.group_uid: t.baseline_score for t in collected.trajectories if t.HasField("baseline_score")
+            },
         }
+        if self.filter_groups.enable:  # consumed, not trained: dynamic sampling dropped them
+            row["filtered"] = dict(collected.filtered)
+            row["filtered_prompts"] = [index_of(g) for g in collected.filtered]
         self.groups_path.parent.mkdir(parents=True, exist_ok=True)
         with self.groups_path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from rlmesh.reward.builtin import builtin_for, data_source_rules
 from rlmesh.reward.loader import RewardFunction, builtin_function, configured_function
+from rlmesh.reward.managers import RewardManager, reward_manager_from_config
 from rlmesh.reward.metrics import RewardMetrics
 from rlmesh.reward.pool import describe, guard_async, guard_sync, wait_until
 from rlmesh.reward.samples import policy_tokenizer, prompt_text, sample_inputs, validate_batch
@@ -37,7 +38,9 @@ DEFAULT_MAX_WORKERS = 32
 class RewardScorer:
     """Scores with the reward model when given; else with ``function`` for every sample; else with the
     built-in each sample's ``data_source`` picks. Sync functions run on a pool of daemon threads, async
-    ones on the loop; each sample has ``timeout_s``. At most ``max_concurrency`` calls score at once."""
+    ones on the loop; each sample has ``timeout_s``. At most ``max_concurrency`` calls score at once.
+    ``manager`` shapes what a function returned (verl's reward manager); a reward model's scores stand
+    as they are, as verl's managers pass a reward model's scores through."""
 
     def __init__(
         self,
@@ -51,11 +54,13 @@ class RewardScorer:
         tokenizer: Any = None,
         vocab_size: int | None = None,
         registry: CollectorRegistry | None = None,
+        manager: RewardManager | None = None,
     ) -> None:
         if timeout_s <= 0 or max_concurrency < 1 or max_batch_size < 1 or max_workers < 1:
             raise ValueError("timeout_s, max_concurrency, max_batch_size and max_workers must be positive")
         self.function = function
         self.model = model
+        self.manager = manager or RewardManager()
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.max_batch_size = max_batch_size
@@ -82,10 +87,16 @@ class RewardScorer:
     ) -> RewardScorer:
         """From ``reward_model.*``, ``custom_reward_function.*`` and ``rlmesh.reward.*``; an argument left
         None is its ``rlmesh.reward`` key (``forced``: ``function``). Raises ``RewardFunctionLoadError``
-        when the function cannot be used."""
+        when the function cannot be used (or the overlong penalty's settings cannot)."""
         section = cfg.rlmesh.reward
         function, model = None, None
+        manager = reward_manager_from_config(cfg)
         if cfg.reward_model.enable:
+            if manager.overlong is not None:
+                log.warning(
+                    "reward_model.enable: the reward model's scores are used as they are, without the "
+                    "overlong penalty (as verl's dapo manager does)"
+                )
             from rlmesh.reward.model import load_reward_model
 
             model = load_reward_model(cfg.reward_model)
@@ -100,6 +111,7 @@ class RewardScorer:
             max_workers=max_workers or section.workers,
             tokenizer=policy_tokenizer(cfg.tokenizer_path()) if load_tokenizer else None,
             registry=registry,
+            manager=manager,
         )
 
     def functions(self) -> list[str]:
@@ -192,6 +204,8 @@ class RewardScorer:
             score, extra = read_score(value, function)
         except NotAScore as e:
             return self._fail(sample, function, e.code, str(e))
+        if self.model is None:
+            score, extra = self.manager.shape(value, score, extra, len(sample.response_ids))
         return self._ok(sample, function, score, extra)
 
     def _start(self, fn: RewardFunction, sample: reward_pb2.RewardSample, solution: str, extra_info: Any):
