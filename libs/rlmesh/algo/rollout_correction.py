@@ -56,7 +56,8 @@ def compute_rollout_correction_weights(
 
     Returns:
         rollout_is_weights: ``(bs, response_length)``, zero at masked positions.
-        metrics: statistics of the weights before truncation (see :func:`compute_is_metrics`).
+        metrics: statistics of the truncated weights, before batch normalisation
+            (see :func:`compute_is_metrics`), and ``rollout_is_batch_norm_factor``.
 
     Raises:
         ValueError: unknown ``rollout_is`` or non-positive threshold.
@@ -71,13 +72,14 @@ def compute_rollout_correction_weights(
     else:
         log_ratio_for_metrics = masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(-1)  # (bs, 1)
         weights = torch.exp(torch.clamp(log_ratio_for_metrics, min=-20.0, max=20.0)).expand_as(log_ratio)
-    weights = weights * response_mask
+    raw_weights = weights * response_mask
+    weights = raw_weights.clamp(max=rollout_is_threshold)
 
     metrics = compute_is_metrics(
-        weights, log_ratio_for_metrics, response_mask, rollout_is, rollout_is_threshold
+        weights, raw_weights, log_ratio_for_metrics, response_mask, rollout_is, rollout_is_threshold
     )
 
-    weights = weights.clamp(max=rollout_is_threshold).detach()
+    weights = weights.detach()
     if rollout_is_batch_normalize:
         if rollout_is == "token":
             weights_mean = masked_mean(weights, response_mask)
@@ -95,23 +97,34 @@ def compute_rollout_correction_weights(
 
 def compute_is_metrics(
     rollout_is_weights: torch.Tensor,
+    raw_rollout_is_weights: torch.Tensor,
     log_ratio_for_metrics: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is: str,
     rollout_is_threshold: float,
 ) -> dict[str, float]:
-    """Statistics of importance weights before truncation.
+    """Statistics of the truncated weights the loss uses; how often raw ratios leave :math:`[1/C, C]`.
 
-    With :math:`C` the threshold and :math:`w` the untruncated weights at valid tokens:
-    ``rollout_is_mean`` (masked mean), ``rollout_is_max``/``_min``,
-    ``rollout_is_ratio_fraction_high`` (:math:`w > C`), ``rollout_is_ratio_fraction_low``
-    (:math:`w < 1/C`), ``rollout_is_std`` and ``rollout_is_eff_sample_size``
-    (:math:`1 / \\overline{(\\tilde w / \\bar{\\tilde w})^2}`, :math:`\\tilde w = \\mathrm{clamp}(w, 1/C, C)`),
-    and per-sequence means ``rollout_is_seq_{mean,std,max,min,max_deviation,fraction_high,fraction_low}``.
-    At sequence level, max/min and the fractions come from the log-ratio sums (exact in log space).
+    With :math:`w` the truncated weights, :math:`r` the raw ones (before truncation), :math:`C` the
+    threshold and means over valid tokens unless noted:
+
+    - ``rollout_is_mean``: :math:`\\bar w`
+    - ``rollout_is_max`` / ``_min``: token level, of :math:`w` (so at most :math:`C`); sequence level,
+      :math:`e^{\\min(\\max_i L_i, 20)}` / :math:`e^{\\min_i L_i}` with :math:`L_i = \\sum_t m_{i,t}\\ell_{i,t}`
+      over every row (untruncated, exact in log space)
+    - ``rollout_is_ratio_fraction_high`` / ``_low``: token level, share of valid tokens with
+      :math:`r > C` / :math:`r < 1/C`; sequence level, share of rows with :math:`L_i > \\log C` /
+      :math:`L_i < -\\log C`
+    - ``rollout_is_std``: :math:`\\sqrt{\\overline{w^2} - \\bar w^2}` (0 with a single valid token)
+    - ``rollout_is_eff_sample_size``: :math:`1 / \\overline{(w / (\\bar w + 10^{-8}))^2}`
+    - ``rollout_is_seq_{mean,std,max,min}``: over rows of the per-row mean :math:`\\bar w_i`
+      (std unbiased), ``rollout_is_seq_max_deviation``: :math:`\\max_i |\\bar w_i - 1|`
+    - ``rollout_is_seq_fraction_high`` / ``_low``: share of rows whose raw mean :math:`\\bar r_i`
+      is above :math:`C` / below :math:`1/C` (a mean of truncated weights never exceeds :math:`C`)
 
     Args:
-        rollout_is_weights: ``(bs, response_length)`` untruncated weights, zero when masked.
+        rollout_is_weights: ``(bs, response_length)`` truncated weights, zero when masked.
+        raw_rollout_is_weights: ``(bs, response_length)`` weights before truncation, zero when masked.
         log_ratio_for_metrics: ``(bs, response_length)`` for token level, ``(bs, 1)`` for sequence.
         response_mask: ``(bs, response_length)``.
         rollout_is: ``token`` or ``sequence``.
@@ -129,12 +142,13 @@ def compute_is_metrics(
     metrics: dict[str, float] = {}
     mask_bool = response_mask.bool()
 
+    metrics["rollout_is_mean"] = masked_mean(rollout_is_weights, response_mask).item()
     if rollout_is == "sequence":
+        # The truncated weights hide how far the products went; log space keeps them exact.
         log_max = log_ratio_for_metrics.max()
         log_min = log_ratio_for_metrics.min()
         metrics["rollout_is_max"] = torch.exp(torch.clamp(log_max, max=20.0)).item()
         metrics["rollout_is_min"] = torch.exp(log_min).item()
-        metrics["rollout_is_mean"] = masked_mean(rollout_is_weights, response_mask).item()
         metrics["rollout_is_ratio_fraction_high"] = (
             (log_ratio_for_metrics > math.log(rollout_is_threshold)).float().mean().item()
         )
@@ -142,35 +156,35 @@ def compute_is_metrics(
             (log_ratio_for_metrics < math.log(threshold_lower)).float().mean().item()
         )
     else:
-        metrics["rollout_is_mean"] = masked_mean(rollout_is_weights, response_mask).item()
         metrics["rollout_is_ratio_fraction_high"] = masked_mean(
-            (rollout_is_weights > rollout_is_threshold).float(), response_mask
+            (raw_rollout_is_weights > rollout_is_threshold).float(), response_mask
         ).item()
         metrics["rollout_is_ratio_fraction_low"] = masked_mean(
-            (rollout_is_weights < threshold_lower).float(), response_mask
+            (raw_rollout_is_weights < threshold_lower).float(), response_mask
         ).item()
         metrics["rollout_is_max"] = rollout_is_weights.masked_fill(~mask_bool, float("-inf")).max().item()
         metrics["rollout_is_min"] = rollout_is_weights.masked_fill(~mask_bool, float("inf")).min().item()
 
-    # std and ESS use weights clamped to [1/C, C] so one huge weight cannot dominate them.
-    clamped = rollout_is_weights.clamp(min=threshold_lower, max=rollout_is_threshold)
-    clamped_mean = masked_mean(clamped, response_mask)
+    weights_mean = masked_mean(rollout_is_weights, response_mask)
     if response_mask.sum() > 1:
-        variance = masked_mean(clamped.square(), response_mask) - clamped_mean.square()
+        variance = masked_mean(rollout_is_weights.square(), response_mask) - weights_mean.square()
         metrics["rollout_is_std"] = torch.sqrt(torch.clamp(variance, min=0.0)).item()
     else:
         metrics["rollout_is_std"] = 0.0
-    normalised = clamped / (clamped_mean + 1e-8)
+    normalised = rollout_is_weights / (weights_mean + 1e-8)
     metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalised.square(), response_mask).item()
 
-    seq_mean_weights = masked_mean(rollout_is_weights, response_mask, axis=-1)
+    seq_mean_weights = masked_mean(rollout_is_weights, response_mask, axis=-1)  # (bs,)
     metrics["rollout_is_seq_mean"] = seq_mean_weights.mean().item()
     metrics["rollout_is_seq_std"] = seq_mean_weights.std().item() if seq_mean_weights.numel() > 1 else 0.0
     metrics["rollout_is_seq_max"] = seq_mean_weights.max().item()
     metrics["rollout_is_seq_min"] = seq_mean_weights.min().item()
     metrics["rollout_is_seq_max_deviation"] = (seq_mean_weights - 1.0).abs().max().item()
-    metrics["rollout_is_seq_fraction_high"] = (seq_mean_weights > rollout_is_threshold).float().mean().item()
-    metrics["rollout_is_seq_fraction_low"] = (seq_mean_weights < threshold_lower).float().mean().item()
+    raw_seq_mean_weights = masked_mean(raw_rollout_is_weights, response_mask, axis=-1)
+    metrics["rollout_is_seq_fraction_high"] = (
+        (raw_seq_mean_weights > rollout_is_threshold).float().mean().item()
+    )
+    metrics["rollout_is_seq_fraction_low"] = (raw_seq_mean_weights < threshold_lower).float().mean().item()
     return metrics
 
 
@@ -183,8 +197,9 @@ def compute_offpolicy_metrics(
 
     With :math:`\\ell = \\log\\pi_{old} - \\log\\pi_{rollout}` and means over valid tokens unless noted:
 
-    - ``logprob_abs_diff_mean`` / ``logprob_abs_diff_max``: :math:`|\\ell|`
-    - ``prob_abs_diff_mean`` / ``prob_abs_diff_max``: :math:`|\\pi_{old} - \\pi_{rollout}|`
+    - ``logprob_abs_diff_mean`` / ``logprob_abs_diff_max``: :math:`|\\ell|`, and
+      ``prob_abs_diff_mean`` / ``prob_abs_diff_max``: :math:`|\\pi_{old} - \\pi_{rollout}|`
+      (rlmesh's additions; verl has no such keys)
     - ``kl``: :math:`\\overline{-\\ell}` (k1 estimate of :math:`KL(\\pi_{rollout}\\|\\pi_{old})`)
     - ``k3_kl``: :math:`\\overline{e^{\\ell} - \\ell - 1}`
     - ``training_ppl`` / ``rollout_ppl``: batch mean of per-sequence

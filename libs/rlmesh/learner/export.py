@@ -66,6 +66,7 @@ def export_checkpoint(
         lora_rank=model.lora_rank,
         lora_alpha=model.lora_alpha,
         target_modules=model.target_modules,
+        lora_adapter_path=model.lora_adapter_path,  # the adapter's LoRA layout; the checkpoint's weights
         trust_remote_code=model.trust_remote_code,
         override_config=model.override_config,
     )

@@ -31,19 +31,27 @@ CHAT_TEMPLATE = (
 CHAR_TOKENIZER_MARKER = "rlmesh_char_tokenizer"
 
 
-def load_tokenizer(path: str | Path, **kwargs: object) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str | Path, *, chat_template: str | None = None, **kwargs: object
+) -> PreTrainedTokenizerBase:
     """The tokenizer saved at ``path``: rlmesh's char tokenizer exactly as saved, any other one
-    through ``AutoTokenizer``. Use this, not ``AutoTokenizer``, wherever rlmesh loads a tokenizer."""
+    through ``AutoTokenizer``. Use this, not ``AutoTokenizer``, wherever rlmesh loads a tokenizer;
+    where it renders prompts, pass ``chat_template=actor_rollout_ref.model.custom_chat_template``
+    (a Jinja template that replaces the tokenizer's own, as verl's ``HFModelConfig`` does; None
+    keeps it)."""
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser()
     config = path / "tokenizer_config.json"
     if config.exists() and json.loads(config.read_text()).get(CHAR_TOKENIZER_MARKER):
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
-        # As verl's hf_tokenizer does: Llama's tokenizers have no pad token, batches need one.
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+        if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+            # As verl's hf_tokenizer does: Llama's tokenizers have no pad token, batches need one.
+            tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
