@@ -4,6 +4,8 @@ docs/algorithms.md#log-probabilities-and-metrics"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlmesh.algo.kl import kl_penalty
@@ -76,49 +78,91 @@ def masked_stats(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         mask: same shape.
 
     Returns:
-        ``{"mean", "max", "min"}`` as floats; all 0.0 when nothing is valid.
+        ``{"mean", "max", "min"}`` as floats; all NaN when nothing is valid (verl's value then:
+        the sinks drop non-finite values, so the step logs no number rather than a made-up 0).
     """
     selected = torch.masked_select(values, mask.bool())
     if selected.numel() == 0:
-        return {"mean": 0.0, "max": 0.0, "min": 0.0}
+        return {"mean": math.nan, "max": math.nan, "min": math.nan}
     return {"mean": selected.mean().item(), "max": selected.max().item(), "min": selected.min().item()}
 
 
+def _stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}/{stat}": value for stat, value in masked_stats(values, mask).items()}
+
+
 def compute_data_metrics(
+    token_level_scores: torch.Tensor,
+    token_level_rewards: torch.Tensor,
     advantages: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_prompt_length: int,
+    max_response_length: int,
     values: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Advantage, return and value statistics over valid tokens, and the critic's explained variance.
+    """verl's ``compute_data_metrics`` (``verl/trainer/ppo/metric_utils.py``, 0.9.1) on tensors.
 
-    .. math:: \\mathrm{EV} = 1 - \\frac{\\mathrm{Var}(R - V)}{\\mathrm{Var}(R) + 10^{-5}}
+    With :math:`R` the response width, the lengths come from the attention mask, as in verl:
+    :math:`\\ell^p_i = \\sum_t a_{i,t<-R}`, :math:`\\ell^r_i = \\sum_t a_{i,t\\ge -R}`; a sample is
+    *aborted* when :math:`\\ell^r_i = 0`.
 
-    (unbiased variances over the valid tokens).
+    - ``critic/score``, ``critic/rewards``: :math:`\\sum_t` ``token_level_scores`` /
+      ``token_level_rewards`` of each row (the whole row), over the non-aborted rows;
+    - ``critic/advantages``, ``returns``, ``values``: over the tokens with ``response_mask``;
+    - ``critic/vf_explained_var``: :math:`1 - \\mathrm{Var}(R - V) / (\\mathrm{Var}(R) + 10^{-5})`,
+      unbiased variances over those tokens (NaN with fewer than two);
+    - ``response_length``, ``prompt_length``: over every row; ``clip_ratio`` the share of rows at
+      the maximum length; ``response_length_non_aborted``: over the non-aborted rows;
+      ``response/aborted_ratio`` the share of aborted rows.
+
+    Each is ``/mean``, ``/max``, ``/min`` and NaN when it has nothing to reduce. verl's maxima
+    are its tensors' widths, which it pads to the configured lengths; here they are given, as a
+    batch may be narrower. A row longer than the maximum counts as clipped.
 
     Args:
-        advantages: ``(bs, response_length)``.
-        returns: ``(bs, response_length)``.
-        response_mask: ``(bs, response_length)``.
+        token_level_scores, token_level_rewards: ``(bs, response_length)``; the rewards include
+            the KL-in-reward penalty.
+        advantages, returns: ``(bs, response_length)``.
+        response_mask: ``(bs, response_length)``, the tokens the losses train on.
+        attention_mask: ``(bs, prompt_length + response_length)``.
+        max_prompt_length, max_response_length: the configured maxima
+            (``rollout.prompt_length``, ``rollout.response_length``).
         values: ``(bs, response_length)``, when a critic is used.
 
     Returns:
-        ``critic/advantages/{mean,max,min}``, ``critic/returns/{mean,max,min}`` and, with
-        ``values``, ``critic/values/{mean,max,min}`` and ``critic/vf_explained_var``.
+        the metrics above under verl's names; ``critic/values/*`` and
+        ``critic/vf_explained_var`` only with ``values``.
     """
-    metrics: dict[str, float] = {}
-    for name, tensor in (("advantages", advantages), ("returns", returns)):
-        for stat, value in masked_stats(tensor, response_mask).items():
-            metrics[f"critic/{name}/{stat}"] = value
+    width = response_mask.shape[-1]
+    prompt_length = attention_mask[:, :-width].sum(dim=-1).float()
+    response_length = attention_mask[:, -width:].sum(dim=-1).float()
+    rows = torch.ones_like(response_length, dtype=torch.bool)
+    non_aborted = response_length > 0
+    metrics = {
+        **_stats("critic/score", token_level_scores.sum(dim=-1), non_aborted),
+        **_stats("critic/rewards", token_level_rewards.sum(dim=-1), non_aborted),
+        **_stats("critic/advantages", advantages, response_mask),
+        **_stats("critic/returns", returns, response_mask),
+    }
     if values is not None:
-        for stat, value in masked_stats(values, response_mask).items():
-            metrics[f"critic/values/{stat}"] = value
+        metrics.update(_stats("critic/values", values, response_mask))
         mask = response_mask.bool()
         valid_returns = torch.masked_select(returns, mask)
         valid_values = torch.masked_select(values, mask)
+        explained = math.nan  # torch.var of one element is NaN too, with a warning
         if valid_returns.numel() > 1:
-            explained = 1.0 - torch.var(valid_returns - valid_values) / (torch.var(valid_returns) + 1e-5)
-            metrics["critic/vf_explained_var"] = explained.item()
-        else:
-            metrics["critic/vf_explained_var"] = 0.0
+            var_diff = torch.var(valid_returns - valid_values)
+            explained = (1.0 - var_diff / (torch.var(valid_returns) + 1e-5)).item()
+        metrics["critic/vf_explained_var"] = explained
+    for prefix, lengths, valid, limit in (
+        ("response_length", response_length, rows, max_response_length),
+        ("response_length_non_aborted", response_length, non_aborted, max_response_length),
+        ("prompt_length", prompt_length, rows, max_prompt_length),
+    ):
+        metrics.update(_stats(prefix, lengths, valid))
+        clipped = (lengths[valid] >= limit).float()
+        metrics[f"{prefix}/clip_ratio"] = clipped.mean().item() if clipped.numel() else math.nan
+    metrics["response/aborted_ratio"] = (~non_aborted).float().mean().item()
     return metrics

@@ -42,6 +42,8 @@ class PPOBatch:
     ``index`` is verl's ``uid`` non-tensor column: the prompt (group) id of each row, which the
     group-based advantage estimators group by. ``has_rollout_log_probs`` marks rows whose
     trajectory carried rollout log-probs (the others hold zeros in ``rollout_log_probs``).
+    ``reward_baselines`` is verl's ``(bs,)`` column of the same name (ReMax: the score of each
+    row's prompt's greedy response), None when the trajectories carry no baseline.
     """
 
     prompts: torch.Tensor
@@ -59,6 +61,7 @@ class PPOBatch:
     uids: list[str]
     policy_versions: np.ndarray
     data_sources: list[str] = field(default_factory=list)
+    reward_baselines: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -91,6 +94,7 @@ class PPOBatch:
             uids=[self.uids[i] for i in np_idx],
             policy_versions=self.policy_versions[np_idx],
             data_sources=[self.data_sources[i] for i in np_idx] if self.data_sources else [],
+            reward_baselines=None if self.reward_baselines is None else self.reward_baselines[idx],
         )
 
 
@@ -105,6 +109,8 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
         return "error", f"the sample failed ({err.source or 'unknown source'}: {err.message or err.code})"
     if not math.isfinite(t.score):
         return "score", f"score is not finite ({t.score})"
+    if t.HasField("baseline_score") and not math.isfinite(t.baseline_score):
+        return "baseline_score", f"baseline_score is not finite ({t.baseline_score})"
     n = len(t.response_ids)
     if n == 0:
         return "response_ids", "the response is empty"
@@ -122,13 +128,14 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
     return None
 
 
-def validate_trajectory(t: Trajectory, needs_ref: bool = False) -> str | None:
+def validate_trajectory(t: Trajectory, needs_ref: bool = False, needs_baseline: bool = False) -> str | None:
     """Why ``t`` must not be trained on, or None when it is fine.
 
-    Refused: ``error`` set, a non-finite ``score``, an empty response or prompt, a negative token
-    id, ``rollout_log_probs``/``ref_log_probs`` whose length is not the response length or that
-    hold NaN/inf, and, with ``needs_ref`` (the run's KL needs the reference), no
-    ``ref_log_probs``: a replica configured without a reference service must not stop the run.
+    Refused: ``error`` set, a non-finite ``score`` or ``baseline_score``, an empty response or
+    prompt, a negative token id, ``rollout_log_probs``/``ref_log_probs`` whose length is not the
+    response length or that hold NaN/inf; with ``needs_ref`` (the run's KL needs the reference),
+    no ``ref_log_probs``: a replica configured without a reference service must not stop the run;
+    with ``needs_baseline`` (``algorithm.adv_estimator=remax``), no ``baseline_score``.
     The reason starts with the field name.
     """
     problem = _problem(t)
@@ -137,6 +144,12 @@ def validate_trajectory(t: Trajectory, needs_ref: bool = False) -> str | None:
             "ref_log_probs",
             f"missing, and this run's KL needs them; replica {t.replica_id!r} runs without a "
             "reference service (is its config the learner's?)",
+        )
+    if problem is None and needs_baseline and not t.HasField("baseline_score"):
+        problem = (
+            "baseline_score",
+            f"missing, and algorithm.adv_estimator=remax needs the greedy response's score; "
+            f"replica {t.replica_id!r} did not generate one (an older replica?)",
         )
     return None if problem is None else f"{problem[0]}: {problem[1]}"
 
@@ -153,6 +166,7 @@ def build_batch(
     max_prompt_length: int | None = None,
     max_response_length: int | None = None,
     with_ref: bool | None = None,
+    with_baselines: bool | None = None,
 ) -> PPOBatch:
     """Pad ``trajectories``  into a :class:`PPOBatch`.
 
@@ -165,10 +179,13 @@ def build_batch(
             default the longest response.
         with_ref: whether the batch carries reference log-probs (every trajectory must have
             them; False: any are ignored); default whether the trajectories carry them.
+        with_baselines: whether the batch carries ``reward_baselines`` (every trajectory must
+            have a ``baseline_score``; False: any are ignored); default whether the
+            trajectories carry them.
 
     Raises:
-        BatchError: an invalid trajectory (named by uid and field), ref log-probs on some
-            trajectories but not others, or a sequence longer than a given width.
+        BatchError: an invalid trajectory (named by uid and field), ref log-probs or baselines
+            on some trajectories but not others, or a sequence longer than a given width.
     """
     if not trajectories:
         raise ValueError("build_batch needs at least one trajectory")
@@ -182,6 +199,12 @@ def build_batch(
     if with_ref and not all(has_ref):
         missing = next(t for t, has in zip(trajectories, has_ref, strict=True) if not has)
         raise BatchError(missing.uid, "ref_log_probs", "missing while the batch needs them")
+    has_baseline = [t.HasField("baseline_score") for t in trajectories]
+    if with_baselines is None:
+        with_baselines = any(has_baseline)
+    if with_baselines and not all(has_baseline):
+        missing = next(t for t, has in zip(trajectories, has_baseline, strict=True) if not has)
+        raise BatchError(missing.uid, "baseline_score", "missing while the batch needs them")
 
     prompt_lens = [len(t.prompt_ids) for t in trajectories]
     response_lens = [len(t.response_ids) for t in trajectories]
@@ -231,6 +254,11 @@ def build_batch(
         uids=[t.uid for t in trajectories],
         policy_versions=np.array([t.policy_version for t in trajectories], dtype=np.int64),
         data_sources=[t.data_source for t in trajectories],
+        reward_baselines=(
+            torch.tensor([t.baseline_score for t in trajectories], dtype=torch.float32)
+            if with_baselines
+            else None
+        ),
     )
 
 
@@ -241,28 +269,25 @@ def batch_metrics(
     returns: torch.Tensor,
     values: torch.Tensor | None,
     max_response_length: int,
+    max_prompt_length: int,
 ) -> dict[str, float]:
-    """``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``,
-    ``{response,prompt}_length/{mean,max,min}`` and ``response_length/clip_ratio`` (the share of
-    responses that reached ``max_response_length``).
-
-    A sequence's score (reward) is the sum of its token-level scores (rewards), as in verl.
+    """verl's data metrics of a trained batch (:func:`rlmesh.algo.compute_data_metrics`):
+    ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``,
+    ``{response,prompt}_length/{mean,max,min,clip_ratio}`` (the share of samples at
+    ``max_response_length`` / ``max_prompt_length``), ``response_length_non_aborted/*`` and
+    ``response/aborted_ratio`` (0 here: empty responses are refused before a batch is built).
     """
-    mask = batch.response_mask
-    metrics = compute_data_metrics(advantages, returns, mask, values)
-    response_length = mask.sum(dim=-1).float()
-    prompt_length = batch.attention_mask[:, : batch.prompt_length].sum(dim=-1).float()
-    for key, x in (
-        ("critic/score", batch.token_level_scores.sum(dim=-1)),
-        ("critic/rewards", token_level_rewards.sum(dim=-1)),
-        ("response_length", response_length),
-        ("prompt_length", prompt_length),
-    ):
-        metrics[f"{key}/mean"] = x.mean().item()
-        metrics[f"{key}/max"] = x.max().item()
-        metrics[f"{key}/min"] = x.min().item()
-    metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
-    return metrics
+    return compute_data_metrics(
+        batch.token_level_scores,
+        token_level_rewards,
+        advantages,
+        returns,
+        batch.response_mask,
+        batch.attention_mask,
+        max_prompt_length,
+        max_response_length,
+        values,
+    )
 
 
 def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:

@@ -34,7 +34,7 @@ from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
 from rlmesh.learner.forward import greedy_generate
 from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.models import hf_model, load_actor_model, load_critic_model
+from rlmesh.learner.models import first_policy_version, hf_model, load_actor_model, load_critic_model
 from rlmesh.learner.overlap import Phase, PhaseRunner
 from rlmesh.learner.schedule import build_lr_scheduler, set_base_lr
 from rlmesh.learner.weight_buckets import iter_weight_buckets
@@ -73,6 +73,7 @@ class PPOTrainer:
         self.algo_cfg = config.algorithm
         self.seed = int(actor_cfg.data_loader_seed if seed is None else seed)
         self.max_response_length = int(arr.rollout.response_length or config.data.max_response_length)
+        self.max_prompt_length = int(arr.rollout.prompt_length or config.data.max_prompt_length)
         # seq-mean-token-sum-norm divides by a constant: verl's actor.loss_scale_factor, else the
         # configured response length (each micro-batch's own padded width would vary).
         norm_len = int(actor_cfg.loss_scale_factor or self.max_response_length)
@@ -86,6 +87,7 @@ class PPOTrainer:
             lora_rank=model.lora_rank,
             lora_alpha=model.lora_alpha,
             target_modules=model.target_modules,
+            lora_adapter_path=model.lora_adapter_path,
             enable_gradient_checkpointing=model.enable_gradient_checkpointing,
             trust_remote_code=model.trust_remote_code,
             override_config=model.override_config,
@@ -145,6 +147,7 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(self.algo_cfg.kl_ctrl)
         self._pending_kl_coef: float | None = None
         self.global_steps = 0
+        self.first_version = first_policy_version(model.lora_adapter_path)
         self.bypass_mode = self.algo_cfg.rollout_correction.bypass_mode
         # Threads side by side only in a group of one: ranks must issue collectives in one order.
         self.phases = PhaseRunner(config.rlmesh.learner.overlap_phases and self.dp_size == 1)
@@ -201,9 +204,9 @@ class PPOTrainer:
                 before that only the critic trains and ``training/actor_updated`` is 0).
 
         Raises:
-            BatchError: a non-finite score, a token id outside the vocabulary, or no reference
-                log-probs while a KL term needs them and no reference is colocated; nothing is
-                trained then.
+            BatchError: a non-finite score, a token id outside the vocabulary, no reference
+                log-probs while a KL term needs them and no reference is colocated, or (remax)
+                a missing or non-finite baseline; nothing is trained then.
         """
         self._check_batch(batch)
         if update_actor is None:
@@ -231,7 +234,9 @@ class PPOTrainer:
             old_log_probs = batch.rollout_log_probs
         else:
             old_log_probs, entropys = done["old_log_prob"].result
-            metrics["actor/entropy"] = agg_loss(entropys, mask, self.actor.config.loss_agg_mode).item()
+            # -norm: verl divides by loss_scale_factor, else by its padded width (the configured length).
+            mode, norm_len = self.actor.config.loss_agg_mode, self.actor.norm_len
+            metrics["actor/entropy"] = agg_loss(entropys, mask, mode, loss_scale_factor=norm_len).item()
         values = done["values"].result if "values" in done else None
 
         with self._timed(timing, "adv"):
@@ -256,6 +261,7 @@ class PPOTrainer:
                 mask,
                 values=values,
                 index=batch.index,
+                reward_baselines=batch.reward_baselines,
                 gamma=self.algo_cfg.gamma,
                 lam=self.algo_cfg.lam,
                 norm_adv_by_std_in_grpo=self.algo_cfg.norm_adv_by_std_in_grpo,
@@ -273,11 +279,10 @@ class PPOTrainer:
         _record(timing, done)
         for phase in done.values():
             metrics.update(phase.result)
-        metrics.update(
-            batch_metrics(batch, token_level_rewards, advantages, returns, values, self.max_response_length)
-        )
-        # The trainer's steps so far are the learner's policy version (the loop pushes one per step).
-        metrics.update(staleness_metrics(batch, self.global_steps))
+        lengths = (self.max_response_length, self.max_prompt_length)
+        metrics.update(batch_metrics(batch, token_level_rewards, advantages, returns, values, *lengths))
+        # The learner's policy version: the first one plus a version per step (the loop pushes each).
+        metrics.update(staleness_metrics(batch, self.first_version + self.global_steps))
         metrics.update(timing)
         metrics["training/skipped_steps"] = float(self.skipped_steps)
         metrics["training/actor_updated"] = float(update_actor)
@@ -308,6 +313,12 @@ class PPOTrainer:
             raise BatchError(
                 batch.uids[0], "ref_log_probs", "required by algorithm.use_kl_in_reward / actor.use_kl_loss"
             )
+        if self.algo_cfg.adv_estimator == "remax":
+            if batch.reward_baselines is None:
+                raise BatchError(batch.uids[0], "baseline_score", "required by algorithm.adv_estimator=remax")
+            bad = ~torch.isfinite(batch.reward_baselines)
+            if bad.any():
+                raise BatchError(batch.uids[int(bad.nonzero()[0])], "baseline_score", "not finite")
 
     def _rollout_correction(
         self, batch: PPOBatch, old_log_probs: torch.Tensor

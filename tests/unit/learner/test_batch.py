@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from rlmesh.learner.batch import BatchError, build_batch, staleness_metrics, validate_trajectory
+from rlmesh.learner.batch import (
+    BatchError,
+    batch_metrics,
+    build_batch,
+    staleness_metrics,
+    validate_trajectory,
+)
 from rlmesh.v1.common_pb2 import ErrorCode
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
@@ -12,10 +18,20 @@ PAD = 9
 
 
 def traj(
-    uid="g0/0", prompt=(1, 2, 3), response=(4, 5), score=1.0, rollout=None, ref=None, group="g0", version=3
+    uid="g0/0",
+    prompt=(1, 2, 3),
+    response=(4, 5),
+    score=1.0,
+    rollout=None,
+    ref=None,
+    group="g0",
+    version=3,
+    baseline=None,
 ):
     t = Trajectory(uid=uid, group_uid=group, prompt_ids=prompt, response_ids=response, score=score)
     t.policy_version = version
+    if baseline is not None:
+        t.baseline_score = baseline
     if rollout is not None:
         t.rollout_log_probs.extend(rollout)
     if ref is not None:
@@ -72,6 +88,8 @@ def test_select_keeps_rows_aligned():
         ({"ref": (-1.0, -1.0, -1.0)}, "ref_log_probs"),
         ({"rollout": (-1.0, math.nan)}, "rollout_log_probs"),
         ({"response": (4, -1)}, "response_ids"),
+        ({"baseline": math.nan}, "baseline_score"),
+        ({"baseline": -math.inf}, "baseline_score"),
     ],
 )
 def test_bad_trajectories_are_refused_naming_uid_and_field(kwargs, field):
@@ -119,6 +137,33 @@ def test_a_run_that_needs_the_reference_refuses_samples_without_it_naming_the_re
     assert validate_trajectory(traj(ref=(-1.0, -1.5)), needs_ref=True) is None
 
 
+def test_greedy_baselines_become_verls_reward_baselines_column():
+    rows = [traj("g0/0", baseline=0.25), traj("g1/0", group="g1", baseline=-1.5), traj("g0/1", baseline=0.25)]
+    batch = build_batch(rows, PAD)
+    assert batch.reward_baselines.tolist() == [0.25, -1.5, 0.25]
+    assert batch.select([1, 0]).reward_baselines.tolist() == [-1.5, 0.25]
+    # A run with no baselines (every estimator but remax) carries none.
+    assert build_batch([traj()], PAD).reward_baselines is None
+    assert build_batch(rows, PAD, with_baselines=False).reward_baselines is None
+
+
+def test_a_baseline_on_some_trajectories_only_is_refused():
+    mixed = [traj("a/0", baseline=0.5), traj("b/0")]
+    with pytest.raises(BatchError, match=r"b/0.*baseline_score: missing"):
+        build_batch(mixed, PAD)
+    with pytest.raises(BatchError, match=r"b/0.*baseline_score: missing"):
+        build_batch(mixed, PAD, with_baselines=True)
+
+
+def test_a_remax_run_refuses_samples_without_a_baseline_naming_the_replica():
+    t = traj()
+    t.replica_id = "rollout-3"
+    assert validate_trajectory(t) is None
+    reason = validate_trajectory(t, needs_baseline=True)
+    assert reason.startswith("baseline_score: missing") and "remax" in reason and "rollout-3" in reason
+    assert validate_trajectory(traj(baseline=0.0), needs_baseline=True) is None
+
+
 def test_staleness_counts_versions_behind_the_trained_weights():
     batch = build_batch(
         [traj("g0/0", version=4), traj("g0/1", version=3), traj("g1/0", group="g1", version=4)], PAD
@@ -130,3 +175,25 @@ def test_staleness_counts_versions_behind_the_trained_weights():
     }
     on_policy = staleness_metrics(batch.select([0, 2]), 4)
     assert on_policy["training/staleness/max"] == on_policy["training/staleness/mean"] == 0.0
+
+
+def test_batch_metrics_lengths_and_scores_are_the_samples_against_the_configured_maxima():
+    rows = [
+        traj("g0/0", prompt=(1, 2, 3), response=(4, 5, 6), score=1.0),
+        traj("g0/1", prompt=(1, 2, 3), response=(4,), score=0.0),
+        traj("g1/0", prompt=(7,), response=(6, 5), score=-0.5, group="g1"),
+    ]
+    batch = build_batch(rows, PAD)  # widths: the longest prompt (3) and response (3)
+    zeros = torch.zeros_like(batch.token_level_scores)
+    metrics = batch_metrics(batch, batch.token_level_scores, zeros, zeros, None, 3, 4)
+    responses = [len(t.response_ids) for t in rows]
+    prompts = [len(t.prompt_ids) for t in rows]
+    assert metrics["critic/score/mean"] == pytest.approx(sum(t.score for t in rows) / len(rows))
+    assert metrics["critic/score/min"] == min(t.score for t in rows)
+    assert metrics["response_length/mean"] == pytest.approx(sum(responses) / len(rows))
+    assert metrics["prompt_length/max"] == max(prompts) and metrics["prompt_length/min"] == min(prompts)
+    # clipped at the configured maxima, not at the batch's width: a 3-token prompt is not clipped at 4
+    assert metrics["response_length/clip_ratio"] == pytest.approx(sum(n == 3 for n in responses) / len(rows))
+    assert metrics["prompt_length/clip_ratio"] == 0.0
+    assert metrics["response/aborted_ratio"] == 0.0  # empty responses never reach a batch
+    assert "critic/values/mean" not in metrics
