@@ -64,6 +64,12 @@ class PromptCursor:
             return self.num_items // batch_size
         return math.ceil(self.num_items / batch_size)
 
+    def epoch_of_next(self, batch_size: int) -> int:
+        """The epoch the next ``batch_size`` items start in (verl's ``training/epoch`` of that batch):
+        the next one when drop_last skips this epoch's short tail."""
+        skip = self.drop_last and self.num_items - self.position < batch_size
+        return self.epoch + int(skip)
+
     def next_indices(self, batch_size: int) -> list[int]:
         """The next ``batch_size`` dataset indices; advances the cursor."""
         if batch_size <= 0:

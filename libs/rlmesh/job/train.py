@@ -56,7 +56,7 @@ def progress_line(
     return (
         f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
         f"kl {kl:+.4f}  val {val}  "
-        f"tok/s {m.get('perf/throughput', 0):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
+        f"tok/s {m.get('training/tokens', 0) / max(m.get('timing_s/step', 0), 1e-9):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
         f"[{elapsed_s:.0f} s{eta}]"
     )
 

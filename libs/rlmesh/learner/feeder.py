@@ -57,6 +57,7 @@ class PromptFeeder:
         self.sampling = sampling or common_pb2.SamplingParams()
         self.greedy_baseline = greedy_baseline  # ReMax: each task also asks for a greedy baseline
         self.enqueued: dict[int, list[str]] = {}  # step -> group uids
+        self.epoch_of: dict[int, int] = {}  # step -> the data epoch its batch starts in
         self._cursor_before: dict[int, dict[str, Any]] = {}
         # Every group enqueued and not yet trained on: uid -> (step, task, times enqueued), so a
         # group whose task or samples were lost can be enqueued again.
@@ -90,6 +91,7 @@ class PromptFeeder:
             if s in self.enqueued:
                 continue
             self._cursor_before[s] = copy.deepcopy(self.cursor.state_dict())
+            self.epoch_of[s] = self.cursor.epoch_of_next(self.batch_size)
             items = [self.dataset[i] for i in self.cursor.next_indices(self.batch_size)]
             tasks = [self.make_task(item, s, version) for item in items]
             try:
@@ -151,3 +153,4 @@ class PromptFeeder:
         for s in [s for s in self.enqueued if s < step]:
             self.enqueued.pop(s, None)
             self._cursor_before.pop(s, None)
+            self.epoch_of.pop(s, None)

@@ -107,6 +107,31 @@ class _StoppedWhileWaiting(Exception):
     """A stop was requested while the loop waited for a batch that did not come: a clean stop."""
 
 
+def job_gpus(cfg: RLMeshConfig, cuda: bool) -> int:
+    """The GPUs this job's config starts, perf/throughput's divisor as verl's n_gpus: the learner's
+    ranks on CUDA plus each SGLang replica's tensor-parallel GPUs; 1 when it starts none."""
+    learner = cfg.rlmesh.learner.ranks if cuda and cfg.trainer.device != "cpu" else 0
+    rollout = cfg.actor_rollout_ref.rollout
+    replicas = (
+        cfg.rlmesh.rollout.replicas * rollout.tensor_model_parallel_size if rollout.name == "sglang" else 0
+    )
+    return max(1, learner + replicas)
+
+
+def timing_per_token_ms(metrics: dict[str, float], response_tokens: int, tokens: int) -> dict[str, float]:
+    """verl's ``timing_per_token_ms/<phase>``: gen per response token, the learner's phases per
+    prompt + response token (0 when there are none)."""
+    per = {
+        "gen": response_tokens,
+        **dict.fromkeys(("ref", "values", "adv", "update_critic", "update_actor"), tokens),
+    }
+    return {
+        f"timing_per_token_ms/{name}": metrics[f"timing_s/{name}"] * 1000 / n if n > 0 else 0.0
+        for name, n in per.items()
+        if f"timing_s/{name}" in metrics
+    }
+
+
 class TrainingLoop:
     def __init__(
         self,
@@ -168,6 +193,7 @@ class TrainingLoop:
         # replicas). A colocated reference recomputes them in the trainer: whatever a trajectory
         # carries (a replica of an older config) is ignored.
         self._ref_from_replicas = cfg.uses_reference() and not cfg.rlmesh.reference.colocated
+        self.job_gpus = job_gpus(cfg, torch.cuda.is_available())
         # DAPO's dynamic sampling: the prompts each step draws (algorithm.filter_groups).
         self.filter_groups = cfg.algorithm.filter_groups
         self.gen_batches = GenBatches(cfg.data.train_batch_size, self.filter_groups.max_num_gen_batches)
@@ -599,17 +625,21 @@ class TrainingLoop:
                 "timing_start/gen": gen_start,
                 "timing_start/push_weights": push_start,
                 "timing_start/step": time.time() - step_s,
-                "perf/throughput": tokens / max(step_s, 1e-9),
+                # verl's compute_throughout_metrics: per GPU of the job (1 on a CPU-only run)
+                "perf/total_num_tokens": tokens,
+                "perf/time_per_step": step_s,
+                "perf/throughput": tokens / (max(step_s, 1e-9) * self.job_gpus),
                 "training/global_step": step,
                 "training/tokens": tokens,
                 "training/response_tokens": response_tokens,
                 "training/policy_version": st.version,
-                "training/epoch": self.cursor.epoch,
+                "training/epoch": self.feeder.epoch_of.get(step, self.cursor.epoch),
                 **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
                 **{f"training/{k}": float(v) for k, v in self.recovery.take_counts().items()},
                 **_rollout_timings(collected.trajectories),
             }
         )
+        metrics.update(timing_per_token_ms(metrics, response_tokens, tokens))
         if self.filter_groups.enable:  # verl's DAPO recipe's and its V1 trainer's names
             metrics.update(
                 {

@@ -96,3 +96,15 @@ def test_items_from_config_and_validation_batches(tmp_path, tok):
         PromptCursor(6).next_batch(2)
     assert [[i.index for i in b] for b in iter_batches(ds, 4)] == [[0, 1, 2, 3], [4, 5]]
     assert [len(b) for b in iter_batches(ds, None)] == [6]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_epoch_of_next_is_the_epoch_the_batch_starts_in(drop_last):
+    # 10 items in batches of 4: with drop_last the third batch skips the 2-item tail into epoch 1;
+    # without it the third batch starts in epoch 0 and runs into epoch 1.
+    cursor = PromptCursor(10, seed=0, drop_last=drop_last)
+    starts = []
+    for _ in range(5):
+        starts.append(cursor.epoch_of_next(4))
+        cursor.next_indices(4)
+    assert starts == ([0, 0, 1, 1, 2] if drop_last else [0, 0, 0, 1, 1])
