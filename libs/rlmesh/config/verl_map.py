@@ -25,6 +25,7 @@ MOVED: tuple[tuple[str, str], ...] = (
     ("reward.custom_reward_function.name", "custom_reward_function.name"),
     ("reward.custom_reward_function.reward_kwargs", "custom_reward_function.reward_kwargs"),
     ("reward.reward_manager.name", "reward_model.reward_manager"),
+    ("reward_manager.name", "reward_model.reward_manager"),  # verl 0.7's top-level section
     ("reward.reward_kwargs", "reward_model.reward_kwargs"),
     ("reward.reward_model.enable", "reward_model.enable"),
     ("reward.reward_model.model_path", "reward_model.model.path"),
@@ -267,7 +268,22 @@ def map_verl_keys(data: dict[str, Any], given: set[str], problems: list[str]) ->
     for key, allowed, instead in REFUSED:
         if _has(data, key) and not allowed(value := _get(data, key)):
             problems.append(f"'{key}'={value!r} is not supported by rlmesh: {instead}")
+    _check_gen_batch_size(data, problems)
     return made
+
+
+def _check_gen_batch_size(data: dict[str, Any], problems: list[str]) -> None:
+    # verl's trainer draws data.gen_batch_size prompts a step when it is set; with dynamic sampling
+    # rlmesh draws by need, without it the step would silently be smaller or larger than verl's.
+    gen = _get(data, "data.gen_batch_size") if _has(data, "data.gen_batch_size") else None
+    train = _get(data, "data.train_batch_size") if _has(data, "data.train_batch_size") else None
+    filtering = _has(data, "algorithm.filter_groups.enable") and _get(data, "algorithm.filter_groups.enable")
+    if gen is not None and gen != train and not filtering:
+        problems.append(
+            f"'data.gen_batch_size'={gen!r} without algorithm.filter_groups.enable: verl then trains "
+            f"{gen} prompts a step; set data.train_batch_size={gen} (or enable filter_groups, where rlmesh "
+            "draws refills as needed)"
+        )
 
 
 def _map_engine(data: dict[str, Any], given: set[str]) -> KeyMapping | None:

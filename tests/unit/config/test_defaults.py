@@ -155,6 +155,26 @@ VERL_DEFAULTS: dict[str, Any] = {
     "trainer.max_actor_ckpt_to_keep": None,
     "trainer.device": "cuda",
     "trainer.balance_batch": True,
+    # verl 0.9.1's _generated_ppo_trainer.yaml: the keys issue 29 made act
+    "actor_rollout_ref.rollout.enforce_eager": False,
+    "actor_rollout_ref.rollout.max_num_batched_tokens": 8192,
+    "actor_rollout_ref.rollout.max_model_len": None,
+    "actor_rollout_ref.rollout.max_num_seqs": 256,
+    "actor_rollout_ref.rollout.enable_chunked_prefill": True,
+    "actor_rollout_ref.rollout.enable_prefix_caching": True,
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio": 0.0002,
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb": 1.0,
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub": 5.0,
+    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": 0.0002,
+    "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": 0.1,
+    "actor_rollout_ref.actor.policy_loss.dro_beta": None,
+    "actor_rollout_ref.actor.tau_pos": 1.0,
+    "actor_rollout_ref.actor.tau_neg": 1.05,
+    "actor_rollout_ref.actor.loss_scale_factor": None,
+    "actor_rollout_ref.actor.data_loader_seed": 42,
+    "algorithm.filter_groups.enable": False,
+    "algorithm.filter_groups.metric": "reward",
+    "algorithm.filter_groups.max_num_gen_batches": 0,
 }
 
 

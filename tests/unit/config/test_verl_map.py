@@ -138,3 +138,17 @@ def test_vllm_engine_kwargs_are_named_not_passed() -> None:
     assert "vllm" not in cfg.actor_rollout_ref.rollout.engine_kwargs
     assert cfg.actor_rollout_ref.rollout.engine_kwargs["sglang"] == {"attention_backend": "fa3"}
     assert 'engine_kwargs.vllm={"swap_space": 32} -> nothing' in notes
+
+
+def test_gen_batch_size_is_refused_unless_dynamic_sampling_or_equal() -> None:
+    with pytest.raises(ConfigError, match=r"'data.gen_batch_size'=96 .*data.train_batch_size=96"):
+        load_config(None, ["data.gen_batch_size=96", "data.train_batch_size=256"])
+    load_config(None, ["data.gen_batch_size=256", "data.train_batch_size=256"], warn=False)
+    dapo = ["data.gen_batch_size=96", "data.train_batch_size=256", "algorithm.filter_groups.enable=true"]
+    assert load_config(None, dapo, warn=False).data.train_batch_size == 256
+
+
+def test_verl_07s_top_level_reward_manager_name_is_the_manager() -> None:
+    cfg, notes = _notes(["+reward_manager.name=dapo"])
+    assert cfg.reward_model.reward_manager == "dapo"
+    assert "reward_manager.name=dapo -> reward_model.reward_manager" in notes
