@@ -174,7 +174,9 @@ async def test_the_token_defaults_to_the_environment_and_reaches_an_attached_ser
 
 def test_verls_rollout_knobs_become_sglang_flags() -> None:
     """The flags are ServerArgs fields of SGLang 0.5.6 and 0.5.23 (--disable-cuda-graph: 0.5.23's
-    deprecated spelling of its per-phase switches, still accepted)."""
+    deprecated spelling of its per-phase switches, still accepted). This argv was parsed by
+    sglang 0.5.23's own ServerArgs.add_cli_args in a venv of its own (2026-12-02); the check is not
+    automated here: issue 30."""
     assert sglang_rollout_args() == []
     args = sglang_rollout_args(
         enforce_eager=True,
@@ -187,7 +189,7 @@ def test_verls_rollout_knobs_become_sglang_flags() -> None:
             "attention_backend": "fa3",
             "enable_metrics": True,
             "log_level": None,
-            "cuda_graph_bs": [1, 2],
+            "cuda_graph_bs_decode": [1, 2],
         },
     )
     assert args == [
@@ -204,7 +206,7 @@ def test_verls_rollout_knobs_become_sglang_flags() -> None:
         "--attention-backend",
         "fa3",
         "--enable-metrics",
-        "--cuda-graph-bs",
+        "--cuda-graph-bs-decode",
         "1",
         "2",
     ]
