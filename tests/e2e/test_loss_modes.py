@@ -5,9 +5,9 @@
 GSPO clips a sequence as a whole: every token of a response shares the sequence-level ratio (the
 geometric mean of its token ratios), and with GRPO every token of a response shares its
 advantage, so the clip decision is the same for all of them. With ``ignore_eos`` every response
-has LENGTH tokens; the clipped tokens of an update are then LENGTH times the clipped responses,
-and ``actor/pg_clipfrac`` (over the valid tokens of all its micro-batches and epochs) times the
-responses trained is a whole number. Vanilla PPO clips token by token: on the same steps its
+has LENGTH tokens, so each micro-batch's clip fraction is its share of clipped responses, and
+``actor/pg_clipfrac`` (verl's: the mean of the micro-batches' clip fractions, here all of
+RESPONSES / 2 responses) times the responses trained (RESPONSES x EPOCHS) is a whole number. Vanilla PPO clips token by token: on the same steps its
 clipped tokens would be any number. The second PPO epoch of each step trains off-policy, so
 clipping happens (a tight clip range makes sure of it), and GSPO's lower clip fraction is 0
 (verl reports no dual clip for it).

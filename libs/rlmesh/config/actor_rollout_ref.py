@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config.base import (
     DType,
@@ -27,6 +27,22 @@ from rlmesh.config.optim import (
 )
 
 ROLLOUT_ENGINES = ("embedded", "sglang")
+
+
+def check_chat_template(chat_template: str) -> None:
+    """Compile ``chat_template`` as ``apply_chat_template`` will; raises ValueError on a Jinja
+    syntax error (``actor_rollout_ref.model.custom_chat_template``)."""
+    import jinja2
+
+    try:
+        # What apply_chat_template compiles with: transformers' sandbox, loop controls, {% generation %}.
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # a transformers without it: plain Jinja finds the same syntax errors
+        compile_template = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).from_string
+    try:
+        compile_template(chat_template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"not a valid Jinja chat template: {e.message} (line {e.lineno})") from None
 
 
 class ModelConfig(Section):
@@ -53,31 +69,85 @@ class ModelConfig(Section):
         "position ids, attention never crossing a sequence (verl's remove-padding; needs a "
         "llama/qwen2/qwen3 model on sdpa attention)",
     )
+    custom_chat_template: str | None = Field(
+        None,
+        description="Jinja chat template that replaces the tokenizer's own wherever prompts are rendered "
+        "(training and validation prompts); null = the tokenizer's",
+    )
+    lora_adapter_path: str | None = Field(
+        None,
+        description="PEFT LoRA adapter directory to start LoRA training from (LoRA on whatever lora_rank; "
+        "its adapter_config.json sets rank, alpha and target modules); null = fresh adapters when lora_rank > 0",
+    )
     hf_config_path: Any = compat(None)
     use_shm: Any = compat(False)
-    custom_chat_template: Any = compat(None)
     external_lib: Any = compat(None)
     enable_activation_offload: Any = compat(False)
     exclude_modules: Any = compat(None)
-    lora_adapter_path: Any = compat(None)
     use_liger: Any = compat(False)
     use_fused_kernels: Any = compat(False)
     fused_kernel_options: Any = compat({"impl_backend": "torch"})
     tiled_mlp: Any = compat({"enabled": False, "num_shards": 4})
     mtp: Any = compat({})
+    lora: Any = compat({})
+    torch_dtype: Any = compat(None)
+
+    @field_validator("custom_chat_template")
+    @classmethod
+    def _template_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_chat_template(value)
+        return value
+
+
+# verl's registered policy losses (rlmesh.algo.losses registers the same names).
+PolicyLossMode = Literal[
+    "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro"
+]
 
 
 class PolicyLossConfig(Section):
-    """verl's policy_loss section; rlmesh implements the vanilla (dual-)clipped surrogate only."""
+    """verl's policy_loss section: which registered policy loss the actor trains with, and the
+    knobs of the covariance and DRO losses
+    (docs/algorithms.md#policy-loss-modes--actor_rollout_refactorpolicy_lossloss_mode)."""
 
-    loss_mode: Literal["vanilla"] = Field(
-        "vanilla", description="policy loss; only verl's 'vanilla' PPO clipped surrogate is implemented"
+    loss_mode: PolicyLossMode = Field(
+        "vanilla",
+        description="policy loss: vanilla (PPO clip + dual clip), gspo, sapo (actor.tau_pos/tau_neg), gpg, "
+        "clip_cov, kl_cov, geo_mean (GMPO), cispo, dppo_tv, dppo_kl, dro (dro_beta)",
     )
-    clip_cov_ratio: Any = compat(0.0002)
-    clip_cov_lb: Any = compat(1.0)
-    clip_cov_ub: Any = compat(5.0)
-    kl_cov_ratio: Any = compat(0.0002)
-    ppo_kl_coef: Any = compat(0.1)
+    clip_cov_ratio: float = Field(
+        0.0002, description="clip_cov: share of the tokens whose gradient is cut off"
+    )
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of a token cut off")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of a token cut off")
+    kl_cov_ratio: float = Field(0.0002, description="kl_cov: share of the tokens given the KL penalty")
+    ppo_kl_coef: float = Field(0.1, description="kl_cov: coefficient of the |log ratio| penalty")
+    dro_beta: float | None = Field(
+        None, description="dro: coefficient of the quadratic log-ratio penalty; must be > 0 for dro"
+    )
+
+    @field_validator("loss_mode", mode="before")
+    @classmethod
+    def _known_loss_mode(cls, value: Any) -> Any:
+        if value == "bypass_mode":
+            raise ValueError(
+                "'bypass_mode' is the loss verl switches to itself under "
+                "algorithm.rollout_correction.bypass_mode=true; set that key instead (with loss_mode vanilla, "
+                "the PPO clip on the rollout's log-probs)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _mode_knobs(self) -> PolicyLossConfig:
+        # verl checks these when the loss runs; here at load, and only for the mode that reads them.
+        if self.loss_mode == "clip_cov" and self.clip_cov_ratio <= 0:
+            raise ValueError(f"loss_mode clip_cov needs clip_cov_ratio > 0 (got {self.clip_cov_ratio})")
+        if self.loss_mode == "kl_cov" and self.kl_cov_ratio <= 0:
+            raise ValueError(f"loss_mode kl_cov needs kl_cov_ratio > 0 (got {self.kl_cov_ratio})")
+        if self.loss_mode == "dro" and (self.dro_beta is None or self.dro_beta <= 0):
+            raise ValueError(f"loss_mode dro needs dro_beta > 0 (got {self.dro_beta})")
+        return self
 
 
 class ActorConfig(Section):
@@ -134,14 +204,25 @@ class ActorConfig(Section):
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="policy loss variant")
     ppo_micro_batch_size: Any = compat(None)
     rollout_n: Any = compat(1)
-    tau_pos: Any = compat(1.0)
-    tau_neg: Any = compat(1.05)
+    tau_pos: float = Field(
+        1.0, gt=0, description="sapo: gate temperature of tokens with a positive advantage"
+    )
+    tau_neg: float = Field(
+        1.05, gt=0, description="sapo: gate temperature of the other tokens (> tau_pos: softer on negatives)"
+    )
     freeze_vision_tower: Any = compat(False)
-    loss_scale_factor: Any = compat(None)
-    calculate_entropy: Any = compat(False)
+    loss_scale_factor: int | None = Field(
+        None,
+        gt=0,
+        description="the constant seq-mean-token-sum-norm divides by; null = the response length "
+        "(data.max_response_length)",
+    )
+    calculate_entropy: bool = Field(False, description="log actor/entropy_loss also when entropy_coeff is 0")
     use_prefix_grouper: Any = compat(False)
     use_torch_compile: Any = compat(True)
-    data_loader_seed: Any = compat(42)
+    data_loader_seed: int = Field(
+        42, description="seed of the shuffle between PPO epochs (actor.shuffle) and of the mini-batch order"
+    )
     checkpoint: Any = compat({})
     use_fused_kernels: Any = compat(False)
     profiler: Any = compat({})
@@ -152,6 +233,9 @@ class ActorConfig(Section):
     calculate_sum_pi_squared: Any = compat(False)
     sum_pi_squared_checkpointing: Any = compat(False)
     megatron: Any = compat(None)
+    qat: Any = compat({})
+    entropy_from_logits_chunk_size: Any = compat(2048)
+    pad_to_length: Any = compat(None)
 
     def effective_engine(self) -> EngineSettings:
         """ZeRO stage, offload flags and dtype after mapping verl's fsdp_config onto deepspeed_config."""
@@ -188,7 +272,9 @@ class RolloutConfig(Section):
     """Generation (verl rollout/rollout.yaml)."""
 
     name: Literal["embedded", "sglang"] = Field(
-        "embedded", description="rollout engine: 'embedded' (CPU, HF transformers) or 'sglang' (GPU)"
+        "embedded",
+        description="rollout engine: 'embedded' (CPU, HF transformers) or 'sglang' (GPU); not set (or "
+        "verl's vllm/trtllm): sglang where a CUDA GPU is, else embedded; verl's hf: embedded",
     )
     n: int = Field(1, ge=1, description="responses sampled per prompt (> 1 for grpo/rloo)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature")
@@ -219,17 +305,27 @@ class RolloutConfig(Section):
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="sampling for validation")
     sglang: SglangConfig = Field(default_factory=SglangConfig, description="SGLang server settings")
     mode: Any = compat("async")
-    enforce_eager: Any = compat(False)
+    enforce_eager: bool = Field(False, description="sglang: no CUDA graphs (--disable-cuda-graph)")
     cudagraph_capture_sizes: Any = compat(None)
     free_cache_engine: Any = compat(True)
     data_parallel_size: Any = compat(1)
     expert_parallel_size: Any = compat(1)
     pipeline_model_parallel_size: Any = compat(1)
-    max_num_batched_tokens: Any = compat(8192)
-    max_model_len: Any = compat(None)
-    max_num_seqs: Any = compat(256)
-    enable_chunked_prefill: Any = compat(True)
-    enable_prefix_caching: Any = compat(True)
+    max_num_batched_tokens: int = Field(
+        8192,
+        gt=0,
+        description="sglang: tokens per prefill chunk (--chunked-prefill-size), vLLM's batch token budget",
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="sglang: context length (--context-length); null = the model's"
+    )
+    max_num_seqs: int = Field(256, gt=0, description="sglang: requests run at once (--max-running-requests)")
+    enable_chunked_prefill: bool = Field(
+        True, description="sglang: chunked prefill; false = --chunked-prefill-size -1"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="sglang: prefix (radix) cache; false = --disable-radix-cache"
+    )
     logprobs_mode: Any = compat("processed_logprobs")
     scheduling_policy: Any = compat("fcfs")
     load_format: Any = compat("dummy")
@@ -237,7 +333,11 @@ class RolloutConfig(Section):
     disable_log_stats: Any = compat(True)
     over_sample_rate: Any = compat(0)
     multi_stage_wake_up: Any = compat(False)
-    engine_kwargs: Any = compat({"vllm": {}, "sglang": {}, "trtllm": {}})
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}},
+        description="engine_kwargs.sglang: ServerArgs entries passed to SGLang as --flags (name: value; "
+        "true = the bare flag); the vllm/trtllm entries are refused when not empty",
+    )
     multi_turn: Any = compat({})
     calculate_log_probs: Any = compat(False)
     agent: Any = compat({})
@@ -257,13 +357,23 @@ class RolloutConfig(Section):
     quantization_config_file: Any = compat(None)
     mtp: Any = compat(None)
     layered_summon: Any = compat(False)
+    nnodes: Any = compat(0)
+    n_gpus_per_node: Any = compat(8)
+    full_determinism: Any = compat(False)
+    seed: Any = compat(42)
+    router_config_path: Any = compat(None)
+    moe_load_balance_metrics_interval: Any = compat(0)
+    qat: Any = compat({})
+    disaggregation: Any = compat({})
 
     @field_validator("name", mode="before")
     @classmethod
     def _known_engine(cls, value: Any) -> Any:
         if isinstance(value, str) and value not in ROLLOUT_ENGINES:
             hint = (
-                " (verl's engines are not available in rlmesh)" if value in ("vllm", "hf", "trtllm") else ""
+                " (load the config with rlmesh, which maps verl's engines onto these)"
+                if value in ("vllm", "hf", "trtllm")
+                else ""
             )
             raise ValueError(
                 f"rollout engine {value!r} is not supported{hint}; supported: 'embedded' (CPU, HF transformers) "
@@ -299,6 +409,9 @@ class RefConfig(Section):
     entropy_from_logits_with_chunking: Any = compat(False)
     entropy_checkpointing: Any = compat(False)
     megatron: Any = compat(None)
+    model: Any = compat(None)
+    entropy_from_logits_chunk_size: Any = compat(2048)
+    pad_to_length: Any = compat(None)
 
 
 class ActorRolloutRefConfig(Section):
@@ -309,6 +422,7 @@ class ActorRolloutRefConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
     ref: RefConfig = Field(default_factory=RefConfig, description="reference policy")
     hybrid_engine: Any = compat(True)
+    profiler: Any = compat({})
     nccl_timeout: float = Field(
         600,
         gt=0,

@@ -54,6 +54,13 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("*.use_liger", KERNELS),
     ("*.entropy_from_logits_with_chunking", KERNELS),
     ("*.entropy_checkpointing", KERNELS),
+    ("*.entropy_from_logits_chunk_size", KERNELS),
+    ("*.pad_to_length", "micro-batches are padded to their longest row, or packed (use_remove_padding)"),
+    ("*.qat", "quantisation-aware training is not implemented (qat.enable must be false)"),
+    (
+        "*.optim.zero_indexed_step",
+        "the learning-rate schedule counts optimizer steps from 0, as verl's default",
+    ),
     ("*.tiled_mlp", KERNELS),
     ("*.enable_activation_offload", "activation memory is bounded by enable_gradient_checkpointing only"),
     ("*.use_shm", SHM),
@@ -87,13 +94,7 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("data.sampler", "the prompt order is data.shuffle with data.seed; custom samplers are not loaded"),
     ("data.datagen", "dynamic data generation is not implemented"),
     ("actor_rollout_ref.model.hf_config_path", "the HF config loads from actor_rollout_ref.model.path"),
-    ("actor_rollout_ref.model.custom_chat_template", "the tokenizer's own chat template is used"),
     ("actor_rollout_ref.model.exclude_modules", "LoRA adapts target_modules; exclusions are not supported"),
-    ("actor_rollout_ref.model.lora_adapter_path", "LoRA training starts from fresh adapters"),
-    ("actor_rollout_ref.actor.policy_loss.*", "policy_loss.loss_mode is 'vanilla': the other modes' knobs"),
-    ("actor_rollout_ref.actor.tau_*", "the soft-gating (SAPO) policy loss is not implemented"),
-    ("actor_rollout_ref.actor.loss_scale_factor", "losses are aggregated by loss_agg_mode only"),
-    ("actor_rollout_ref.actor.calculate_entropy", "entropy is always computed (actor/entropy)"),
     ("actor_rollout_ref.actor.use_prefix_grouper", "shared-prompt forwards are not implemented"),
     ("actor_rollout_ref.actor.*sum_pi_squared*", "not implemented"),
     ("actor_rollout_ref.rollout.mode", "replicas always generate asynchronously, each a service of its own"),
@@ -117,19 +118,100 @@ IGNORED: tuple[tuple[str, str], ...] = (
         "mixture-of-experts routing replay is not implemented",
     ),
     ("actor_rollout_ref.rollout.quantization*", "replicas generate in actor_rollout_ref.rollout.dtype"),
+    ("actor_rollout_ref.rollout.nnodes", "replicas are placed by rlmesh.rollout.replicas and the deployment"),
+    (
+        "actor_rollout_ref.rollout.n_gpus_per_node",
+        "replicas are placed by rlmesh.rollout.replicas and the deployment",
+    ),
+    ("actor_rollout_ref.rollout.full_determinism", "each replica seeds its own engine (rlmesh.sampler)"),
+    ("actor_rollout_ref.rollout.seed", "each replica seeds its own engine (rlmesh.sampler)"),
+    (
+        "actor_rollout_ref.rollout.router_config_path",
+        "requests go to replicas through the prompt stream, not a router",
+    ),
+    (
+        "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
+        "mixture-of-experts metrics are not exported",
+    ),
+    (
+        "actor_rollout_ref.rollout.disaggregation",
+        "prefill/decode disaggregation: start SGLang with it and attach (disaggregation.enabled must be false)",
+    ),
     ("actor_rollout_ref.rollout.*", SGLANG_ARGS),
     ("actor_rollout_ref.hybrid_engine", "the actor and the rollout are always separate services"),
+    (
+        "actor_rollout_ref.model.lora",
+        "Megatron's LoRA settings (lora.rank must be 0): rlmesh's LoRA reads model.lora_rank, lora_alpha, "
+        "target_modules and lora_adapter_path",
+    ),
+    (
+        "actor_rollout_ref.model.torch_dtype",
+        "the actor trains float32 master weights under DeepSpeed (fsdp_config.dtype / deepspeed_config); "
+        "replicas generate in rollout.dtype",
+    ),
+    (
+        "actor_rollout_ref.ref.model",
+        "the reference policy is actor_rollout_ref.model.path (ref.model must be null)",
+    ),
+    ("critic.model.hf_config_path", "the HF config loads from critic.model.path"),
+    ("critic.model.custom_chat_template", "the critic scores the prompts the learner rendered"),
+    ("critic.model.exclude_modules", "LoRA adapts target_modules; exclusions are not supported"),
+    (
+        "critic.model.lora_adapter_path",
+        "the critic starts from critic.model.path (fresh LoRA adapters when lora_rank > 0)",
+    ),
+    (
+        "critic.model.lora",
+        "Megatron's LoRA settings (lora.rank must be 0): the critic's LoRA reads lora_rank",
+    ),
+    (
+        "critic.fsdp",
+        DEEPSPEED + " (critic.fsdp.param_offload / optimizer_offload are read as critic.model.fsdp_config's)",
+    ),
+    ("critic.loss_scale_factor", "the value loss is aggregated by critic.loss_agg_mode"),
+    ("data.gen_batch_size", "dynamic sampling refills a step group by group from the prompt stream"),
+    ("data.function_tool_path", "multi-turn tool use is not implemented"),
+    ("data.audio_key", MULTIMODAL),
+    ("data.mm_processor_kwargs", MULTIMODAL),
+    (
+        "algorithm.rollout_correction.rollout_rs_threshold_lower",
+        "rejection sampling is not implemented (must be null)",
+    ),
+    (
+        "algorithm.rollout_correction.rollout_token_veto_threshold",
+        "the token veto is not implemented (must be null)",
+    ),
+    (
+        "algorithm.rollout_correction.use_policy_gradient",
+        "the policy loss is policy_loss.loss_mode's (must be false; loss_mode=gpg is the plain policy gradient)",
+    ),
+    ("trainer.profile_steps", PROFILER),
+    ("trainer.*_nsight_options", PROFILER),
+    ("trainer.npu_profile", PROFILER),
+    ("trainer.use_v1", "verl's trainer implementation switch; rlmesh has one trainer"),
+    (
+        "trainer.v1",
+        "verl's v1 trainer modes (trainer_mode must be sync): rlmesh's async is rlmesh.max_staleness",
+    ),
+    (
+        "trainer.checkpoint_callback_class",
+        "checkpoint callbacks are not loaded; checkpoints follow save_freq",
+    ),
+    ("ray_init", LAUNCHER),
+    (
+        "reward",
+        "verl >= 0.8's reward section: its custom_reward_function, reward_manager.name, reward_kwargs, "
+        "reward_model.enable and model_path are read as the older reward_model / custom_reward_function "
+        "keys; the rest place verl's reward workers",
+    ),
+    ("distillation", "on-policy distillation is not implemented (distillation.enabled must be false)"),
+    ("skip", "skipping (replaying) rollouts is not implemented"),
     ("reward_model.model.use_remove_padding", "the reward model runs padded forwards"),
     ("reward_model.enable_resource_pool", "the reward service is placed by its deployment (compose, Ray)"),
     ("reward_model.n_gpus_per_node", "the reward service is placed by its deployment (compose, Ray)"),
     ("reward_model.nnodes", "the reward service is placed by its deployment (compose, Ray)"),
     ("reward_model.use_dynamic_bsz", "the reward model batches by micro_batch_size_per_gpu"),
     ("reward_model.forward_max_token_len_per_gpu", "the reward model batches by micro_batch_size_per_gpu"),
-    (
-        "reward_model.reward_manager",
-        "the reward service scores each sample with one compute_score call, as "
-        "verl's naive manager; the batch, prime and dapo managers are not implemented",
-    ),
     (
         "reward_model.reward_loop_*",
         "rewards come from the reward service (custom_reward_function or a model)",
@@ -151,7 +233,11 @@ IGNORED: tuple[tuple[str, str], ...] = (
         "the policy loss is the clipped surrogate (policy_loss.loss_mode)",
     ),
     ("algorithm.pf_ppo", "preference-feedback PPO is not implemented (algorithm.use_pf_ppo must be false)"),
-    ("algorithm.filter_groups", "DAPO's dynamic sampling is not implemented: every sampled group is trained"),
+    (
+        "algorithm.filter_groups.max_inflight_gen_batches",
+        "dynamic sampling draws one new prompt per dropped group as it is dropped: a step never has more "
+        "than data.train_batch_size prompts in flight",
+    ),
     ("trainer.rollout_data_dir", "trajectories are in Redis; export them with rlmesh export"),
     ("trainer.validation_data_dir", "use trainer.log_val_generations"),
     ("trainer.esi_redundant_time", "checkpoints are taken by save_freq and on SIGTERM"),

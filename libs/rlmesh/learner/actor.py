@@ -1,14 +1,17 @@
 """The PPO actor on a DeepSpeed engine: verl's ``DataParallelPPOActor`` (``compute_log_prob``,
-``update_policy``) with global loss normalisation over the data-parallel ranks."""
+``update_policy``) with global loss normalisation over the data-parallel ranks, training with the
+policy loss ``policy_loss.loss_mode`` selects (rlmesh.algo.losses' registry)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlmesh.algo import agg_loss, get_policy_loss_fn, kl_penalty
+from rlmesh.algo import agg_loss, get_policy_loss_fn, kl_penalty, policy_loss_info
 from rlmesh.config import ActorConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
@@ -24,7 +27,75 @@ from rlmesh.learner.parallel import (
     update_epochs,
 )
 
-__all__ = ["DeepSpeedPPOActor"]
+__all__ = ["DeepSpeedPPOActor", "policy_loss_kwargs"]
+
+
+def policy_loss_kwargs(config: ActorConfig, generator: torch.Generator | None = None) -> dict[str, Any]:
+    """The knobs the configured policy loss reads, as its keyword arguments (verl's loss
+    functions read the same keys from the actor config they are given).
+
+    ``generator`` drives clip_cov's random choice of tokens.
+    """
+    loss = config.policy_loss
+    mode = loss.loss_mode
+    clip = {
+        "cliprange": config.clip_ratio,
+        "cliprange_low": config.clip_ratio_low,
+        "cliprange_high": config.clip_ratio_high,
+    }
+    if mode in ("vanilla", "dppo_tv", "dppo_kl"):
+        return {**clip, "clip_ratio_c": config.clip_ratio_c}
+    if mode in ("gspo", "geo_mean", "cispo"):
+        return clip
+    if mode == "clip_cov":
+        return {
+            **clip,
+            "clip_cov_ratio": loss.clip_cov_ratio,
+            "clip_cov_lb": loss.clip_cov_lb,
+            "clip_cov_ub": loss.clip_cov_ub,
+            "generator": generator,
+        }
+    if mode == "kl_cov":
+        return {"kl_cov_ratio": loss.kl_cov_ratio, "ppo_kl_coef": loss.ppo_kl_coef}
+    if mode == "sapo":
+        return {"tau_pos": config.tau_pos, "tau_neg": config.tau_neg}
+    if mode == "dro":
+        return {"dro_beta": loss.dro_beta}
+    if mode == "gpg":
+        return {}
+    raise ValueError(f"policy_loss_kwargs: no knobs known for policy loss {mode!r}")
+
+
+# The count of real micro-batches of a mini-batch, in MetricSums beside the metrics' sums.
+_MICRO_BATCHES = "_micro_batches"
+
+
+def _mini_batch_key(key: str, mini_batch: int) -> str:
+    """The MetricSums key of ``key``'s sum over the micro-batches of the update's
+    ``mini_batch``-th mini-batch (epochs included)."""
+    return f"{key}#{mini_batch}"
+
+
+def _mean_over_mini_batches(
+    totals: dict[str, float], keys: Sequence[str], n_mini_batches: int
+) -> dict[str, float]:
+    """verl 0.9.1's reduction of a metric with one value per micro-batch: mean over the
+    micro-batches of all ranks within each mini-batch (``Metric.aggregate_dp``), then over the
+    update's mini-batches (``reduce_metrics``). With :math:`B_j` the real micro-batches of
+    mini-batch :math:`j` (every rank's) and :math:`m_b` a micro-batch's value:
+
+    .. math:: \\bar m = \\frac{1}{M} \\sum_{j=1}^{M} \\frac{1}{|B_j|} \\sum_{b \\in B_j} m_b
+
+    ``totals``: the reduced MetricSums, under ``_mini_batch_key``.
+    """
+    out = {}
+    for key in keys:
+        per_mini = [
+            totals[_mini_batch_key(key, j)] / max(totals[_mini_batch_key(_MICRO_BATCHES, j)], 1.0)
+            for j in range(n_mini_batches)
+        ]
+        out[key] = sum(per_mini) / max(n_mini_batches, 1)
+    return out
 
 
 class DeepSpeedPPOActor:
@@ -71,6 +142,9 @@ class DeepSpeedPPOActor:
         self.kl_loss_coef = float(config.kl_loss_coef)
         self.skipped_steps = 0
         self.share_prompts = share_prompts
+        # clip_cov's random token choice: reseeded from (seed, step) by every update, so a run
+        # and its resume choose the same tokens.
+        self.loss_generator = torch.Generator()
         # Resolved from actor_rollout_ref.model.use_remove_padding and data.use_sequence_packing.
         self.pack = bool(config.use_remove_padding)
         if self.pack:
@@ -114,14 +188,21 @@ class DeepSpeedPPOActor:
         rollout_is_weights: torch.Tensor | None,
         on_policy: bool,
         sums: MetricSums,
+        mini_batch: int = 0,
     ) -> bool:
         """Forward/backward of this rank's micro-batches of one global mini-batch ``rows`` (no
         optimizer step); gradients accumulate in the engine.
 
-        Per micro-batch, with :math:`s` the global scale (:func:`global_loss_scale`):
+        Per micro-batch, with :math:`s` the global scale (:func:`global_loss_scale`) of
+        ``loss_agg_mode`` and :math:`s_{pg}` that of the aggregation the policy loss uses (the
+        same but for sapo and geo_mean, which always average over sequences):
 
-        .. math:: \\mathcal{L} = s\\,\\big(\\mathcal{L}_{pg} - c_H\\,\\mathrm{agg}(H)
+        .. math:: \\mathcal{L} = s_{pg}\\,\\mathcal{L}_{pg} + s\\,\\big(- c_H\\,\\mathrm{agg}(H)
                   + c_{KL}\\,\\mathrm{agg}(\\mathrm{KL}(\\pi_\\theta \\| \\pi_{ref}))\\big)
+
+        The policy loss's metrics go into ``sums`` per micro-batch under
+        ``_mini_batch_key(key, mini_batch)``, with the count of this rank's real
+        micro-batches (a rank's dummy ones count for nothing).
 
         Returns:
             True when a micro-batch loss was not finite; its backward then runs on NaN so every
@@ -130,11 +211,15 @@ class DeepSpeedPPOActor:
         cfg = self.config
         mode = cfg.loss_agg_mode
         policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        info = policy_loss_info(cfg.policy_loss.loss_mode)
+        pg_mode = info.loss_agg_mode or mode
+        knobs = policy_loss_kwargs(cfg, self.loss_generator)
         dp = world_size()
         n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        calculate_entropy = self.entropy_coeff != 0
+        # verl: entropy in the update (and actor/entropy_loss) when asked for or in the loss
+        calculate_entropy = bool(cfg.calculate_entropy) or self.entropy_coeff != 0
         # Every rank reduces the same keys, even one that only ran dummy micro-batches.
-        keys = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "_tokens"]
+        keys = ["actor/pg_loss", *(_mini_batch_key(k, mini_batch) for k in (*info.metrics, _MICRO_BATCHES))]
         if calculate_entropy:
             keys.append("actor/entropy_loss")
         if cfg.use_kl_loss:
@@ -159,41 +244,38 @@ class DeepSpeedPPOActor:
             weights = None
             if rollout_is_weights is not None:
                 weights = rows_of(rollout_is_weights, micro_rows, w, self.device)
-            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss_fn(
+            pg_loss, pg_metrics = policy_loss_fn(
                 old,
                 log_prob,
                 rows_of(advantages, micro_rows, w, self.device),
                 mask,
-                cliprange=cfg.clip_ratio,
-                cliprange_low=cfg.clip_ratio_low,
-                cliprange_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=mode,
                 rollout_is_weights=weights,
+                **knobs,
             )
             scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
-            policy_loss = pg_loss
+            # Each term times the scale of its own aggregation (sapo's and geo_mean's differ).
+            pg_scale = global_loss_scale(mask, pg_mode, n_tokens, n_seqs, dp, self.norm_len)
+            loss = pg_loss * pg_scale
             if calculate_entropy:
                 entropy_loss = agg_loss(entropy, mask, mode)
-                policy_loss = policy_loss - self.entropy_coeff * entropy_loss
+                if self.entropy_coeff != 0:  # only logged otherwise (calculate_entropy)
+                    loss = loss - self.entropy_coeff * entropy_loss * scale
                 sums.add("actor/entropy_loss", entropy_loss.item() * scale / dp)
             if cfg.use_kl_loss:
                 assert batch.ref_log_probs is not None
                 ref = rows_of(batch.ref_log_probs, micro_rows, w, self.device)
                 kl_loss = agg_loss(kl_penalty(log_prob, ref, cfg.kl_loss_type), mask, mode)
-                policy_loss = policy_loss + self.kl_loss_coef * kl_loss
+                loss = loss + self.kl_loss_coef * kl_loss * scale
                 sums.add("actor/kl_loss", kl_loss.item() * scale / dp)
-            loss = policy_loss * scale
             if not torch.isfinite(loss):
                 nonfinite = True
                 loss = log_prob.sum() * float("nan")
             self.engine.backward(loss, scale_wrt_gas=False)
-            tokens = float(mask.sum())
-            sums.add("actor/pg_loss", pg_loss.item() * scale / dp)
-            sums.add("actor/pg_clipfrac", pg_clipfrac.item() * tokens)
-            sums.add("actor/ppo_kl", ppo_kl.item() * tokens)
-            sums.add("actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * tokens)
-            sums.add("_tokens", tokens)
+            sums.add("actor/pg_loss", pg_loss.item() * pg_scale / dp)
+            for key in info.metrics:  # each micro-batch's own value (its token mean)
+                sums.add(_mini_batch_key(key, mini_batch), pg_metrics[key].item())
+            sums.add(_mini_batch_key(_MICRO_BATCHES, mini_batch), 1.0)
         return nonfinite
 
     def update_policy(
@@ -208,14 +290,20 @@ class DeepSpeedPPOActor:
         step each, then one lr-scheduler step.
 
         Metrics: losses are the global mini-batch losses averaged over the optimizer steps;
-        clip fractions and ppo_kl are token-weighted over the whole update; grad_norm is the mean
-        over applied steps (before clipping); lr is the one used.
+        the policy loss's own metrics (clip fractions and ppo_kl, as verl defines them for the
+        loss mode; none for gpg) are, as verl 0.9.1 reduces them, each micro-batch's value
+        averaged over the micro-batches of all ranks in a mini-batch, then over the mini-batches
+        (``_mean_over_mini_batches``); ``actor/entropy_loss`` is logged when
+        ``calculate_entropy`` or ``entropy_coeff != 0``; grad_norm is the mean over applied steps
+        (before clipping); lr is the one used.
         """
         cfg = self.config
+        self.loss_generator.manual_seed(self.seed * 1_000_003 + step)
         mini_size = cfg.ppo_mini_batch_size * self.rollout_n
         on_policy = math.ceil(len(batch) / mini_size) == 1 and cfg.ppo_epochs == 1
         lr = self.scheduler.get_last_lr()[0]
         sums = MetricSums()
+        mini_batch = itertools.count()  # the mini-batch's index in the update, epochs included
         stats = update_epochs(
             self,
             "actor",
@@ -223,18 +311,17 @@ class DeepSpeedPPOActor:
             mini_size,
             step,
             lambda rows: self.mini_batch_backward(
-                batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums
+                batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums, next(mini_batch)
             ),
         )
         step_scheduler(self.scheduler)  # once per PPO step, as verl's update_actor
         totals = sums.reduced()
-        tokens = max(totals.pop("_tokens", 0.0), 1.0)
         metrics = {
             "actor/pg_loss": totals.get("actor/pg_loss", 0.0) / stats.steps,
             "actor/kl_loss": totals.get("actor/kl_loss", 0.0) / stats.steps,
-            "actor/pg_clipfrac": totals.get("actor/pg_clipfrac", 0.0) / tokens,
-            "actor/ppo_kl": totals.get("actor/ppo_kl", 0.0) / tokens,
-            "actor/pg_clipfrac_lower": totals.get("actor/pg_clipfrac_lower", 0.0) / tokens,
+            **_mean_over_mini_batches(
+                totals, policy_loss_info(cfg.policy_loss.loss_mode).metrics, stats.steps
+            ),
             "actor/grad_norm": stats.grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(stats.skipped),

@@ -84,12 +84,14 @@ class DeepSpeedPPOCritic:
     ) -> bool:
         """Forward/backward of this rank's micro-batches of the global mini-batch ``rows``:
         ``s · compute_value_loss(...)`` each (clipped value loss, :func:`global_loss_scale`).
+        ``critic/vf_clipfrac`` and ``critic/vpred_mean`` go into ``sums`` once per real
+        micro-batch (its token mean), counted under ``_micro_batches``.
         Returns True when a loss was not finite (the step is then skipped on every rank)."""
         cfg = self.config
         mode = cfg.loss_agg_mode
         dp = world_size()
         n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_tokens"):
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_micro_batches"):
             sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
         nonfinite = False
 
@@ -115,17 +117,22 @@ class DeepSpeedPPOCritic:
                 nonfinite = True
                 loss = vpreds.sum() * float("nan")
             self.engine.backward(loss, scale_wrt_gas=False)
-            tokens = float(mask.sum())
             sums.add("critic/vf_loss", vf_loss.item() * scale / dp)
-            sums.add("critic/vf_clipfrac", vf_clipfrac.item() * tokens)
-            sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item() * tokens)
-            sums.add("_tokens", tokens)
+            sums.add("critic/vf_clipfrac", vf_clipfrac.item())
+            sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item())
+            sums.add("_micro_batches", 1.0)
         return nonfinite
 
     def update_critic(
         self, batch: PPOBatch, values: torch.Tensor, returns: torch.Tensor, step: int
     ) -> dict[str, float]:
-        """``critic.ppo_epochs`` over mini-batches, one optimizer step each, one lr-scheduler step."""
+        """``critic.ppo_epochs`` over mini-batches, one optimizer step each, one lr-scheduler step.
+
+        Metrics: ``critic/vf_loss`` is the global mini-batch loss averaged over the optimizer
+        steps; ``critic/vf_clipfrac`` and ``critic/vpred_mean`` are, as verl 0.9.1 reduces them,
+        the plain mean over the update's micro-batches (every rank's, every mini-batch's) of each
+        one's token mean; grad_norm and lr as the actor's.
+        """
         cfg = self.config
         mini_size = int(cfg.ppo_mini_batch_size) * self.rollout_n
         lr = self.scheduler.get_last_lr()[0]
@@ -140,11 +147,11 @@ class DeepSpeedPPOCritic:
         )
         step_scheduler(self.scheduler)
         totals = sums.reduced()
-        tokens = max(totals.pop("_tokens", 0.0), 1.0)
+        micro_batches = max(totals.pop("_micro_batches", 0.0), 1.0)
         return {
             "critic/vf_loss": totals.get("critic/vf_loss", 0.0) / stats.steps,
-            "critic/vf_clipfrac": totals.get("critic/vf_clipfrac", 0.0) / tokens,
-            "critic/vpred_mean": totals.get("critic/vpred_mean", 0.0) / tokens,
+            "critic/vf_clipfrac": totals.get("critic/vf_clipfrac", 0.0) / micro_batches,
+            "critic/vpred_mean": totals.get("critic/vpred_mean", 0.0) / micro_batches,
             "critic/grad_norm": stats.grad_norm,
             "critic/lr": lr,
             "critic/skipped_steps": float(stats.skipped),
