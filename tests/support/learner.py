@@ -226,3 +226,30 @@ def run_uneven_case(model_dir: str | Path, stage: int) -> dict:
     trainer = PPOTrainer(cfg, total_training_steps=10)
     metrics = trainer.train_step(build_batch(make_trajectories(seed=5)[:5], PAD))
     return {"metrics": metrics, "actor": actor_state(trainer)}
+
+
+async def feeder_and_collector(redis, keys, items, *, batch_size: int, n: int, keep_group=None):
+    """A PromptFeeder over ``items`` (in order) and a BatchCollector that wants what it feeds, as the
+    learner's loop wires them, on real Redis streams."""
+    from rlmesh.data import PromptCursor
+    from rlmesh.learner.collect import BatchCollector
+    from rlmesh.learner.feeder import PromptFeeder
+    from rlmesh.queue import TrajectoryCollector, prompt_queue, trajectory_queue
+
+    prompts = prompt_queue(redis, keys, "learner")
+    await prompts.ensure_group()
+    feeder = PromptFeeder(
+        prompts, items, PromptCursor(len(items), shuffle=False), batch_size=batch_size, n=n, incarnation=1
+    )
+    learner_side = trajectory_queue(redis, keys, "learner-0")
+    await learner_side.ensure_group()
+    collector = BatchCollector(
+        TrajectoryCollector(learner_side, keys.used_uids),
+        n=n,
+        incarnation=1,
+        max_staleness=0,
+        validate=lambda t: None,
+        wanted=lambda gid: gid in feeder.outstanding,  # as the learner's loop does
+        keep_group=keep_group,
+    )
+    return feeder, collector

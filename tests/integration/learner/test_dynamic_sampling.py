@@ -10,14 +10,13 @@ import uuid
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rlmesh.data import PromptCursor
-from rlmesh.learner.collect import BatchCollector
 from rlmesh.learner.dynamic_sampling import DynamicSamplingError, GenBatches, GroupFilter, draw_in_place
-from rlmesh.learner.feeder import PromptFeeder, index_of
-from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
+from rlmesh.learner.feeder import index_of
+from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 from tests.support.data import prompt_items
+from tests.support.learner import feeder_and_collector
 
 N, BATCH = 2, 4
 
@@ -67,21 +66,8 @@ async def run(redis_url):
     redis = connect(redis_url)
     keys = RunKeys(f"ds-{uuid.uuid4().hex[:6]}")
     items = prompt_items(40)
-    prompts = prompt_queue(redis, keys, "learner")
-    await prompts.ensure_group()
-    feeder = PromptFeeder(
-        prompts, items, PromptCursor(len(items), shuffle=False), batch_size=BATCH, n=N, incarnation=1
-    )
-    learner_side = trajectory_queue(redis, keys, "learner-0")
-    await learner_side.ensure_group()
-    collector = BatchCollector(
-        TrajectoryCollector(learner_side, keys.used_uids),
-        n=N,
-        incarnation=1,
-        max_staleness=0,
-        validate=lambda t: None,
-        wanted=lambda gid: gid in feeder.outstanding,  # as the learner's loop does
-        keep_group=GroupFilter("acc"),
+    feeder, collector = await feeder_and_collector(
+        redis, keys, items, batch_size=BATCH, n=N, keep_group=GroupFilter("acc")
     )
     replica = Replica(prompt_queue(redis, keys, "replica"), trajectory_queue(redis, keys, "replica"))
     serving = asyncio.create_task(replica.serve())
