@@ -240,7 +240,9 @@ class WeightSyncConfig(Section):
         description="distributed: torch.distributed broadcast; disk: safetensors on shared storage",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="process-group backend; auto = nccl on GPU"
+        "auto",
+        description="each engine's weight-group backend; auto = nccl when the learner and that engine "
+        "are both on CUDA, else gloo",
     )
     master_address: str | None = Field(
         None,

@@ -46,6 +46,7 @@ async def model_info(req: Request) -> Any:
         "vocab_size": state.vocab_size,
         "max_batch_size": state.max_batch_size,
         "engine": "embedded",
+        "device": "cpu",  # SGLang's key: the learner's weight group is gloo for it
     }
 
 
@@ -56,6 +57,7 @@ async def server_info(req: Request) -> Any:
     engine, weights = state.engine, state.weights
     return {
         "engine": "embedded",
+        "device": "cpu",  # SGLang's key: the learner's weight group is gloo for it
         "running": engine.running,
         "waiting": engine.waiting,
         "paused": engine.paused,

@@ -35,6 +35,7 @@ from rlmesh.learner.models import first_policy_version
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.validation import run_validation, select_generations, val_sampling
+from rlmesh.learner.weight_links import weight_sync_backend
 from rlmesh.learner.weight_push import WeightPusher, WeightPushError, weight_master_address
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
@@ -51,6 +52,7 @@ from rlmesh.queue.lease import RunLease
 from rlmesh.queue.policy import publish_policy
 from rlmesh.queue.run_info import publish_config, publish_step_metrics
 from rlmesh.reward.client import RewardClient
+from rlmesh.rollout.engines import engine_device_of
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
 if TYPE_CHECKING:
@@ -264,10 +266,11 @@ class TrainingLoop:
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
         self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)
         ws = cfg.rlmesh.weight_sync
-        backend = ws.backend if ws.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        # Where the trainer's weights are, as dist.learner_device settles trainer.device.
+        self.trainer_device = "cuda" if cfg.trainer.device == "cuda" and torch.cuda.is_available() else "cpu"
+        self.push_counts: dict[str, float] = {}  # the last push's engines: a step's weight_sync/*
         self.pusher = WeightPusher(
             [],
-            backend=backend,
             master_address=weight_master_address(cfg),
             master_port=ws.master_port,
             timeout_s=ws.timeout_s,
@@ -338,7 +341,15 @@ class TrainingLoop:
         ]
         # An SGLang engine's TP workers each join its weight group (an older registry entry: 0).
         ranks = [max(1, r.weight_sync_ranks) for r in live]
-        for unused in self.pusher.set_engines(clients, ranks):
+        backends = [
+            weight_sync_backend(
+                self.cfg.rlmesh.weight_sync.backend,
+                self.trainer_device,
+                r.engine_device or engine_device_of(r.engine, {}),  # an older replica names none
+            )
+            for r in live
+        ]
+        for unused in self.pusher.set_engines(clients, ranks, backends):
             await unused.aclose()
         return live
 
@@ -361,11 +372,21 @@ class TrainingLoop:
             else:
                 report = await self.pusher.push_buckets(self._weight_buckets(), version, only=only)
             failed = report.failed
+            self.push_counts = {
+                "weight_sync/engines": len(report.engines),
+                "weight_sync/failed_engines": len(failed),
+                "weight_sync/unchecked_engines": len(report.unchecked),
+            }
         except WeightPushError as e:
             # No replica took them: each is dead, restarting or cut off. Not the run's end: the
             # live ones get them while the next batch is awaited (only_behind), a dead one leaves
             # the registry, and a restarted one joins behind and is brought up the same way.
             failed = e.failed
+            self.push_counts = {
+                "weight_sync/engines": 0,
+                "weight_sync/failed_engines": len(failed),
+                "weight_sync/unchecked_engines": 0,
+            }
         for name, why in failed.items():
             log.error("replica %s dropped from the push of v%d: %s", name, version, why)
         await retry_forever(
@@ -621,6 +642,7 @@ class TrainingLoop:
             {
                 "timing_s/gen": t_gen,
                 "timing_s/push_weights": t_push,
+                **self.push_counts,
                 "timing_s/step": step_s,
                 "timing_start/gen": gen_start,
                 "timing_start/push_weights": push_start,

@@ -76,7 +76,10 @@ def _start_broadcasts(
     the engines receive concurrently. Returns the pending broadcasts and those that failed to
     start, by engine."""
     try:
-        payloads = {fmt: packer.payload(tensors, fmt) for fmt in {link.load_format for link in live}}
+        payloads = {
+            (fmt, backend): packer.payload(tensors, fmt, backend)
+            for fmt, backend in {(link.load_format, link.backend) for link in live}
+        }
     except BaseException as e:
         raise _PayloadError() from e
     works: dict[str, list[dist.Work]] = {}
@@ -86,7 +89,8 @@ def _start_broadcasts(
         try:
             # All queued at once (as SGLang receives them), then awaited.
             works[link.name] = [
-                dist.broadcast(t, src=0, group=link.pg, async_op=True) for t in payloads[link.load_format]
+                dist.broadcast(t, src=0, group=link.pg, async_op=True)
+                for t in payloads[link.load_format, link.backend]
             ]
         except (RuntimeError, OSError) as e:
             errors[link.name] = e

@@ -23,6 +23,7 @@ log = logging.getLogger("rlmesh.weights")
 class EngineLink:
     client: EngineClient
     ranks: int = 1  # the engine's TP size
+    backend: str = "gloo"  # of its weight group: weight_sync_backend
     group_name: str = ""
     pg: dist.ProcessGroup | None = None
     healthy: bool = True
@@ -39,23 +40,36 @@ class EngineLink:
         return self.client.name
 
 
+def weight_sync_backend(configured: str, trainer_device: str, engine_device: str) -> str:
+    """The backend of one engine's weight group: ``rlmesh.weight_sync.backend`` unless ``auto``;
+    then NCCL only when both ends hold their weights on CUDA (the trainer's ``trainer.device`` as
+    this machine honours it, the engine's ``device`` as its /server_info says), else gloo, which
+    also carries CUDA tensors to a CPU engine."""
+    if configured != "auto":
+        return configured
+    return "nccl" if trainer_device == "cuda" and engine_device == "cuda" else "gloo"
+
+
 def relink(
-    links: Sequence[EngineLink], clients: Sequence[EngineClient], ranks: Sequence[int]
+    links: Sequence[EngineLink],
+    clients: Sequence[EngineClient],
+    ranks: Sequence[int],
+    backends: Sequence[str],
 ) -> tuple[list[EngineLink], list[EngineClient]]:
-    """Links for exactly ``clients`` (by URL), each bringing ``ranks`` to its group, and the clients
-    no longer used. A known healthy engine keeps its link and group; a new one, one that failed
-    before, or one whose ranks changed, gets a fresh link."""
+    """Links for exactly ``clients`` (by URL), each bringing ``ranks`` to its group over ``backends``,
+    and the clients no longer used. A known healthy engine keeps its link and group; a new one, one
+    that failed before, or one whose ranks or backend changed, gets a fresh link."""
     by_url = {link.client.url: link for link in links}
     kept, unused = [], []
-    for client, n_ranks in zip(clients, ranks, strict=True):
+    for client, n_ranks, backend in zip(clients, ranks, backends, strict=True):
         link = by_url.pop(client.url, None)
-        if link is not None and (not link.healthy or link.ranks != n_ranks):
+        if link is not None and (not link.healthy or link.ranks != n_ranks or link.backend != backend):
             drop_group(link)
             if link.client is not client:
                 unused.append(link.client)
             link = None
         if link is None:
-            link = EngineLink(client=client, ranks=n_ranks)
+            link = EngineLink(client=client, ranks=n_ranks, backend=backend)
         elif link.client is not client:
             unused.append(client)
         kept.append(link)
@@ -70,7 +84,6 @@ async def build_group(
     group_name: str,
     failed: dict[str, str],
     *,
-    backend: str,
     master_address: str,
     master_port: int = 0,
     timeout_s: float,
@@ -85,7 +98,7 @@ async def build_group(
     world = 1 + link.ranks
     own = run_in_daemon_thread(
         functools.partial(init_custom_process_group, gloo_interface=gloo_interface_toward(master_address)),
-        backend,
+        link.backend,
         f"tcp://{bracket(master_address)}:{port}",
         world,
         0,
@@ -102,7 +115,7 @@ async def build_group(
         if load_format == FLATTENED_BUCKET and not await link.client.supports_flattened_bucket():
             link.load_format = None
             log.warning("engine %s predates load_format=flattened_bucket: pushing it per tensor", link.name)
-        await link.client.init_weights_update_group(master_address, port, 1, world, group_name, backend)
+        await link.client.init_weights_update_group(master_address, port, 1, world, group_name, link.backend)
         link.pg = await own
     except Exception as e:
         link.healthy = False

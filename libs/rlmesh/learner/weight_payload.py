@@ -37,14 +37,16 @@ class Packer:
     """Builds each bucket's broadcast payload for a backend; on CPU it keeps the flattened-bucket
     buffer (one bucket's bytes) from bucket to bucket and push to push."""
 
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
+    def __init__(self) -> None:
         self.flat: torch.Tensor | None = None
 
-    def payload(self, tensors: list[torch.Tensor], load_format: str | None) -> list[torch.Tensor]:
-        """What to broadcast, in order, shared by every engine of ``load_format``: one flat uint8
-        tensor (flattened_bucket) or the tensors themselves."""
-        device = "cpu" if self.backend == "gloo" else None
+    def payload(
+        self, tensors: list[torch.Tensor], load_format: str | None, backend: str
+    ) -> list[torch.Tensor]:
+        """What to broadcast, in order, shared by every engine of ``load_format`` and ``backend``:
+        one flat uint8 tensor (flattened_bucket) or the tensors themselves; on the CPU for gloo,
+        where the tensors are for NCCL."""
+        device = "cpu" if backend == "gloo" else None
         if load_format == FLATTENED_BUCKET:
             packed = packed_bytes(tensors, device)
             if packed is not None:

@@ -77,6 +77,8 @@ class PushReport:
     bytes_per_engine: int
     engines: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    # Engines that took the push but cannot read weights back, so it was not checked on them.
+    unchecked: list[str] = field(default_factory=list)
 
 
 class WeightPusher:
@@ -107,8 +109,8 @@ class WeightPusher:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
         self.load_format = load_format
-        self._packer = Packer(backend)
-        self.links = [EngineLink(client=e) for e in engines]
+        self._packer = Packer()
+        self.links = [EngineLink(client=e, backend=backend) for e in engines]
         self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
@@ -125,14 +127,19 @@ class WeightPusher:
         self._tensors_last_push = 0  # spreads the checked tensors over the model
 
     def set_engines(
-        self, clients: Sequence[EngineClient], ranks: Sequence[int] | None = None
+        self,
+        clients: Sequence[EngineClient],
+        ranks: Sequence[int] | None = None,
+        backends: Sequence[str] | None = None,
     ) -> list[EngineClient]:
         """Targets exactly these engines (by URL) from now on; ``ranks``: how many ranks each brings
-        to its weight group (SGLang: its TP size; default 1). A known healthy engine keeps its
-        group; a new one, one that failed before and is listed again, or one whose ranks changed,
+        to its weight group (SGLang: its TP size; default 1); ``backends``: each group's
+        (``weight_sync_backend``; default the pusher's). A known healthy engine keeps its group; a
+        new one, one that failed before and is listed again, or one whose ranks or backend changed,
         gets a fresh link. Returns the clients no longer used (the caller closes them)."""
         ranks = list(ranks) if ranks is not None else [1] * len(clients)
-        self.links, unused = relink(self.links, clients, ranks)
+        backends = list(backends) if backends is not None else [self.backend] * len(clients)
+        self.links, unused = relink(self.links, clients, ranks, backends)
         return unused
 
     @property
@@ -233,7 +240,6 @@ class WeightPusher:
             link,
             f"{self.group_prefix}_{self._generation}",
             failed,
-            backend=self.backend,
             master_address=self.master_address,
             master_port=self.master_port,
             timeout_s=self.timeout_s,
@@ -258,6 +264,11 @@ class WeightPusher:
             bytes_per_engine=sent,
             engines=[link.name for link in targets if link.name not in failed],
             failed=failed,
+            unchecked=[
+                link.name
+                for link in targets
+                if self.verify_tensors and not link.verifiable and link.name not in failed
+            ],
         )
         if failed and not report.engines:
             raise WeightPushError(failed)

@@ -14,9 +14,13 @@ from rlmesh.learner.weight_links import EngineLink
 
 log = logging.getLogger("rlmesh.weights")
 
-# How a server says it has no /get_weights_by_name for its model (SGLang's Qwen2: the model class
-# lacks the method); any other refusal of a name we pushed is a mismatch.
-_UNSUPPORTED = re.compile(r"attribute|not (implemented|supported)", re.IGNORECASE)
+# How a server says it cannot read a parameter back. SGLang 0.5.23 answers 400 "Get parameter by
+# name failed" whenever its model class has no get_weights_by_name (Qwen2, Qwen3, ...) or the read
+# raised (http_server.py, weight_exporter.py): for a name it has just loaded, that is the model,
+# not the push. Older servers named the missing attribute. Any other refusal is a mismatch.
+_UNSUPPORTED = re.compile(
+    r"get parameter by name failed|attribute|not (implemented|supported)", re.IGNORECASE
+)
 
 # Rows of each checked tensor fetched from an engine: enough to catch a stale or misplaced tensor,
 # few enough to keep the JSON small (8 rows of a 4096-wide matrix: 32k numbers).
@@ -54,7 +58,10 @@ async def check_engines(
                 raise
             link.verifiable = False
             log.warning(
-                "engine %s cannot answer /get_weights_by_name; pushes to it are not checked: %s", link.name, e
+                "engine %s cannot read its weights back (/get_weights_by_name: %s): pushes to it are "
+                "not checked (counted in weight_sync/unchecked_engines)",
+                link.name,
+                e,
             )
             return
         if differ:

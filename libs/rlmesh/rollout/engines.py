@@ -28,6 +28,15 @@ class RunningEngine:
     client: EngineClient
     process: ManagedProcess | None = None
     weight_sync_ranks: int = 1  # SGLang: tp_size (each TP worker joins the weight-update group)
+    device: str = "cpu"  # where it holds the weights: engine_device_of
+
+
+def engine_device_of(kind: str, server_info: dict) -> str:
+    """Where an engine holds its weights: its /server_info ``device`` (SGLang's ServerArgs.device,
+    the embedded engine's ``cpu``), else SGLang's default ``cuda``; any other accelerator SGLang
+    names (``xpu``, ``npu``) is not CUDA and gets a gloo weight group."""
+    device = str(server_info.get("device") or ("cuda" if kind == "sglang" else "cpu"))
+    return "cuda" if device.startswith("cuda") else device
 
 
 def sglang_launch_argv(
@@ -202,7 +211,7 @@ async def start_engine(
         client = EngineClient(
             instance.url, timeout_s=request_timeout_s, name=f"{name}-engine", token=token or ""
         )
-        return RunningEngine("embedded", instance.url, client, instance.process)
+        return RunningEngine("embedded", instance.url, client, instance.process, device="cpu")
     if kind != "sglang":
         raise ValueError(f"unknown engine {kind!r}; rlmesh supports 'embedded' and 'sglang'")
     if attach_urls:
@@ -210,8 +219,14 @@ async def start_engine(
             attach_urls[0], timeout_s=request_timeout_s, name=f"{name}-sglang", token=token or ""
         )
         await client.wait_healthy(startup_timeout_s)
-        ranks = weight_sync_ranks_of(await client.server_info())
-        return RunningEngine("sglang", attach_urls[0], client, weight_sync_ranks=ranks)
+        info = await client.server_info()
+        return RunningEngine(
+            "sglang",
+            attach_urls[0],
+            client,
+            weight_sync_ranks=weight_sync_ranks_of(info),
+            device=engine_device_of("sglang", info),
+        )
     port = port or free_port(host)
     warn_if_open(host, f"SGLang server {name}-sglang", token)
     argv = sglang_launch_argv(
@@ -250,4 +265,5 @@ async def start_engine(
                 f"SGLang at {url} not healthy within {startup_timeout_s:.0f} s; see {proc.log_path}"
             )
         await asyncio.sleep(1.0)
-    return RunningEngine("sglang", url, client, proc, weight_sync_ranks=ranks)
+    device = engine_device_of("sglang", await client.server_info())
+    return RunningEngine("sglang", url, client, proc, weight_sync_ranks=ranks, device=device)

@@ -60,13 +60,10 @@ def sampler_settings(cfg: RLMeshConfig, replica_id: str) -> SamplerSettings:
     )
 
 
-async def start_replica_engine(
-    cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str
-) -> RunningEngine:
-    """The engine binds the replica's own bind host, so a learner elsewhere reaches it when the
-    replica does (docs/design.md#addresses)."""
-    rollout, sampler = cfg.actor_rollout_ref.rollout, cfg.rlmesh.sampler
-    model = cfg.actor_rollout_ref.model
+def sglang_extra_args(cfg: RLMeshConfig) -> list[str]:
+    """The flags an SGLang replica gets beyond ``sglang_launch_argv``'s own: verl's rollout knobs
+    (``sglang_rollout_args``), then the user's ``rollout.sglang.extra_args``, last so they win."""
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     knobs = sglang_rollout_args(
         enforce_eager=rollout.enforce_eager,
         max_model_len=rollout.max_model_len,
@@ -77,6 +74,16 @@ async def start_replica_engine(
         override_config=model.override_config,
         engine_kwargs=rollout.engine_kwargs.get("sglang"),
     )
+    return [*knobs, *rollout.sglang.extra_args]
+
+
+async def start_replica_engine(
+    cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str
+) -> RunningEngine:
+    """The engine binds the replica's own bind host, so a learner elsewhere reaches it when the
+    replica does (docs/design.md#addresses)."""
+    rollout, sampler = cfg.actor_rollout_ref.rollout, cfg.rlmesh.sampler
+    model = cfg.actor_rollout_ref.model
     return await start_engine(
         kind=rollout.name,
         model_path=cfg.actor_rollout_ref.model.path,
@@ -91,7 +98,7 @@ async def start_replica_engine(
         tp_size=rollout.tensor_model_parallel_size if rollout.name == "sglang" else 1,
         mem_fraction_static=rollout.gpu_memory_utilization,
         dtype=rollout.dtype,
-        extra_args=[*knobs, *rollout.sglang.extra_args],  # the user's own flags last: they win
+        extra_args=sglang_extra_args(cfg),
         skip_tokenizer_init=rollout.skip_tokenizer_init,
         token=cfg.rlmesh.auth_token or "",
         override_config=model.override_config,
@@ -233,6 +240,7 @@ class RolloutReplica:
             policy_version=self.sampler.policy_version,
             capacity=self.sampler.settings.tasks_in_flight,
             weight_sync_ranks=self.engine.weight_sync_ranks,
+            engine_device=self.engine.device,
             state=self.servicer.current_state(),
         )
 

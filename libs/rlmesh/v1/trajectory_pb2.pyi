@@ -117,7 +117,7 @@ class TrajectoryBatch(_message.Message):
     def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ReplicaRegistration(_message.Message):
-    __slots__ = ("replica_id", "grpc_address", "engine_url", "engine", "policy_version", "capacity", "weight_sync_ranks", "heartbeat_unix_ms", "state")
+    __slots__ = ("replica_id", "grpc_address", "engine_url", "engine", "policy_version", "capacity", "weight_sync_ranks", "heartbeat_unix_ms", "state", "engine_device")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class ReplicaRegistration(_message.Message):
     WEIGHT_SYNC_RANKS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     grpc_address: str
     engine_url: str
@@ -136,4 +137,5 @@ class ReplicaRegistration(_message.Message):
     weight_sync_ranks: int
     heartbeat_unix_ms: int
     state: str
-    def __init__(self, replica_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., engine_url: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., capacity: _Optional[int] = ..., weight_sync_ranks: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    engine_device: str
+    def __init__(self, replica_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., engine_url: _Optional[str] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., capacity: _Optional[int] = ..., weight_sync_ranks: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ..., state: _Optional[str] = ..., engine_device: _Optional[str] = ...) -> None: ...

@@ -1,11 +1,14 @@
 """Which engine clients the pusher keeps and which it hands back to be closed; bucket order."""
 
+import pytest
 import torch
 
 from rlmesh.engine.client import EngineClient
+from rlmesh.learner.weight_links import weight_sync_backend
 from rlmesh.learner.weight_payload import aligned
 from rlmesh.learner.weight_push import WeightPusher
 from rlmesh.learner.weight_verify import VERIFY_ROWS, VerifySample, same_values
+from rlmesh.rollout.engines import engine_device_of
 from rlmesh.weights.bucket import layout
 
 
@@ -79,3 +82,43 @@ def test_checked_tensors_are_spread_over_the_push_and_compared_at_the_engines_pr
     assert same_values(ours, ours.to(torch.float16).float())
     assert not same_values(ours, ours + 1e-3)
     assert not same_values(ours, ours[:2])
+
+
+def test_an_engine_whose_backend_changed_gets_a_fresh_link():
+    a, b = EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")
+    pusher = WeightPusher([a, b])
+    kept = pusher.links[0]
+    pusher.set_engines([a, b], backends=["gloo", "nccl"])
+    assert [link.backend for link in pusher.links] == ["gloo", "nccl"]
+    assert pusher.links[0] is kept and pusher.links[1].pg is None
+
+
+@pytest.mark.parametrize(
+    ("configured", "trainer", "engine", "backend"),
+    [
+        ("auto", "cuda", "cuda", "nccl"),
+        ("auto", "cuda", "cpu", "gloo"),  # an embedded CPU engine beside a GPU learner
+        ("auto", "cpu", "cuda", "gloo"),  # trainer.device=cpu beside an SGLang replica
+        ("auto", "cpu", "cpu", "gloo"),
+        ("auto", "cuda", "xpu", "gloo"),
+        ("gloo", "cuda", "cuda", "gloo"),  # set by the user: as set
+        ("nccl", "cpu", "cpu", "nccl"),
+    ],
+)
+def test_the_weight_group_is_nccl_only_when_both_ends_are_on_cuda(configured, trainer, engine, backend):
+    assert weight_sync_backend(configured, trainer, engine) == backend
+
+
+@pytest.mark.parametrize(
+    ("kind", "info", "device"),
+    [
+        ("embedded", {"engine": "embedded", "device": "cpu"}, "cpu"),
+        ("embedded", {}, "cpu"),
+        ("sglang", {"device": "cuda"}, "cuda"),
+        ("sglang", {"device": "cuda:1"}, "cuda"),
+        ("sglang", {"device": "cpu"}, "cpu"),  # SGLang's CPU backend
+        ("sglang", {}, "cuda"),  # a server that names none: SGLang's default
+    ],
+)
+def test_the_engine_device_comes_from_its_server_info(kind, info, device):
+    assert engine_device_of(kind, info) == device
