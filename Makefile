@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -63,7 +63,27 @@ demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server test-tools
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose" --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose and not sglang_contract and not e2e" --durations=25
+
+# Every whole-job test of tests/e2e (about 15 minutes on 2 cores; `make test` runs only the smoke one):
+# the demo's lift, rlmesh train on a user's own model and data, resume, the estimators and losses,
+# DAPO, LoRA, several learner ranks, the control plane, the dashboard and the monitoring stack.
+test-e2e: venv redis-server test-tools
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "e2e and not ray and not compose" --durations=25 tests/e2e
+
+# rlmesh against SGLang's own code (tests/contract; about 2 minutes once its venv is built, which takes
+# a few more the first time): a replica's flags through sglang 0.5.23's ServerArgs parser, every request
+# through its real HTTP app. Its own venv, since sglang's CUDA dependencies never enter .venv.
+SGLANG_VENV := .sglang-venv
+$(SGLANG_VENV)/.installed: tests/contract/sglang-requirements.txt
+	rm -rf $(SGLANG_VENV) && $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/contract/sglang-requirements.txt
+	@touch $@
+
+sglang-contract: venv $(SGLANG_VENV)/.installed
+	RLMESH_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider -m sglang_contract tests/contract
 
 # rlmesh ray up on a real two-node local Ray cluster (the `cluster` extra; about 9 minutes; not part
 # of `make test`): placement by custom resources, a replica actor killed and restarted, ray down, SIGTERM.
