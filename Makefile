@@ -75,11 +75,11 @@ test-e2e: venv redis-server test-tools
 # a few more the first time): a replica's flags through sglang 0.5.23's ServerArgs parser, every request
 # through its real HTTP app. Its own venv, since sglang's CUDA dependencies never enter .venv.
 SGLANG_VENV := .sglang-venv
-$(SGLANG_VENV)/.installed: tests/contract/sglang-requirements.txt
+$(SGLANG_VENV)/.installed: tests/support/sglang-requirements.txt
 	rm -rf $(SGLANG_VENV) && $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/contract/sglang-requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/support/sglang-requirements.txt
 	@touch $@
 
 sglang-contract: venv $(SGLANG_VENV)/.installed

@@ -30,6 +30,14 @@ def parse_server_version(text: Any) -> tuple[int, ...] | None:
     return tuple(int(g) for g in m.groups() if g is not None)
 
 
+def engine_device_of(kind: str, server_info: dict) -> str:
+    """Where an engine holds its weights: its /server_info ``device`` (SGLang's ServerArgs.device,
+    the embedded engine's ``cpu``), else SGLang's default ``cuda``; any other accelerator SGLang
+    names (``xpu``, ``npu``) is not CUDA and gets a gloo weight group."""
+    device = str(server_info.get("device") or ("cuda" if kind == "sglang" else "cpu"))
+    return "cuda" if device.startswith("cuda") else device
+
+
 class EngineError(RuntimeError):
     """An engine call failed; the message names the engine URL, the endpoint and why.
     ``status`` is the HTTP status when the engine answered (None when it could not be reached)."""

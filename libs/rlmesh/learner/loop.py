@@ -24,7 +24,7 @@ from rlmesh.algo import get_kl_controller
 from rlmesh.config import RLMeshConfig, dump_yaml
 from rlmesh.config.secrets import redact_url
 from rlmesh.data import PromptCursor, RLHFDataset
-from rlmesh.engine.client import EngineClient
+from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.learner.batch import validate_trajectory
 from rlmesh.learner.checkpoint import latest_checkpoint
 from rlmesh.learner.collect import BatchCollector, StepBatch
@@ -52,7 +52,6 @@ from rlmesh.queue.lease import RunLease
 from rlmesh.queue.policy import publish_policy
 from rlmesh.queue.run_info import publish_config, publish_step_metrics
 from rlmesh.reward.client import RewardClient
-from rlmesh.rollout.engines import engine_device_of
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
-from rlmesh.engine.client import EngineClient
+from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
 from rlmesh.runtime.net import bracket, dial_host, free_port, warn_if_open
 
@@ -29,14 +29,6 @@ class RunningEngine:
     process: ManagedProcess | None = None
     weight_sync_ranks: int = 1  # SGLang: tp_size (each TP worker joins the weight-update group)
     device: str = "cpu"  # where it holds the weights: engine_device_of
-
-
-def engine_device_of(kind: str, server_info: dict) -> str:
-    """Where an engine holds its weights: its /server_info ``device`` (SGLang's ServerArgs.device,
-    the embedded engine's ``cpu``), else SGLang's default ``cuda``; any other accelerator SGLang
-    names (``xpu``, ``npu``) is not CUDA and gets a gloo weight group."""
-    device = str(server_info.get("device") or ("cuda" if kind == "sglang" else "cpu"))
-    return "cuda" if device.startswith("cuda") else device
 
 
 def sglang_launch_argv(

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from rlmesh.engine.client import EngineClient
+from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.learner.weight_links import weight_sync_backend
 from rlmesh.learner.weight_payload import aligned
 from rlmesh.learner.weight_push import WeightPusher
 from rlmesh.learner.weight_verify import VERIFY_ROWS, VerifySample, same_values
-from rlmesh.rollout.engines import engine_device_of
 from rlmesh.weights.bucket import layout
 
 
