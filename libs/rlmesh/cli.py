@@ -52,12 +52,20 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     if args.action == "keys":
         print(keys_markdown_table())
         return 0
+    from rlmesh.config.placement import PlacementError, plan_gpus
+
     try:
         cfg = load_config(args.config, rest)
-    except ConfigError as e:
+        plan = plan_gpus(cfg)
+    except (ConfigError, PlacementError) as e:
         print(f"invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    print(dump_yaml(cfg) if args.action == "show" else "configuration is valid")
+    if args.action == "show":
+        print(dump_yaml(cfg), end="")
+        if plan is not None:  # as YAML comments: the output still loads as a config
+            print("\n".join(f"# {line}" for line in plan.describe().splitlines()))
+    else:
+        print("configuration is valid")
     return 0
 
 

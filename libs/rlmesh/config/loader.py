@@ -21,6 +21,7 @@ from rlmesh.config.base import ConfigWarning
 from rlmesh.config.errors import ConfigError, format_validation_error
 from rlmesh.config.ignored import ignored_given, ignored_message
 from rlmesh.config.keys import config_keys
+from rlmesh.config.placement import PlacementError, split_gpus
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
 from rlmesh.config.verl_map import ENGINE_KEY, drop_legacy_nulls, map_verl_keys, mapped_message
@@ -245,7 +246,7 @@ def load_config(
     _apply_env_token(data)
     given = _paths(layers)
     mapped = map_verl_keys(data, given, problems)
-    _learner_ranks_from_gpus(data, given, problems)
+    _split_gpus(data, given, problems)
     try:
         with warnings.catch_warnings():
             if not warn:
@@ -263,10 +264,12 @@ def load_config(
     return cfg
 
 
-def _learner_ranks_from_gpus(data: dict[str, Any], given: set[str], problems: list[str]) -> None:
-    """verl's ``trainer.n_gpus_per_node`` x ``trainer.nnodes``, when a config sets them and not
-    ``rlmesh.learner.ranks``, are the learner's ranks (rollout replicas hold GPUs of their own)."""
-    if "rlmesh.learner.ranks" in given or not given & {"trainer.n_gpus_per_node", "trainer.nnodes"}:
+def _split_gpus(data: dict[str, Any], given: set[str], problems: list[str]) -> None:
+    """verl's ``trainer.n_gpus_per_node``, when a config sets it (or ``trainer.nnodes``), split
+    between the learner's ranks and the rollout replicas the config did not set itself
+    (``placement.split_gpus``); a split that cannot fit is a problem naming the numbers. One GPU
+    shared by the learner and its replica makes the weight sync gloo, as NCCL needs two GPUs."""
+    if not given & {"trainer.n_gpus_per_node", "trainer.nnodes"}:
         return
     trainer = data.get("trainer") or {}
     gpus, nodes = trainer.get("n_gpus_per_node"), trainer.get("nnodes")
@@ -275,12 +278,51 @@ def _learner_ranks_from_gpus(data: dict[str, Any], given: set[str], problems: li
     if nodes > 1:
         warnings.warn(
             f"trainer.nnodes={nodes}: `rlmesh train` and `rlmesh serve learner` start the learner's ranks on "
-            f"one machine ({gpus} here); train on {nodes} nodes under torchrun (README, 'GPU') with "
+            f"one machine; train on {nodes} nodes under torchrun (README, 'GPU') with "
             "rlmesh.learner.ranks set to the ranks of one node",
             ConfigWarning,
             stacklevel=3,
         )
-    data.setdefault("rlmesh", {}).setdefault("learner", {})["ranks"] = gpus
+    rlmesh = data.setdefault("rlmesh", {})
+    rollout = (data.get("actor_rollout_ref") or {}).get("rollout") or {}
+    tp = rollout.get("tensor_model_parallel_size")
+    reference_gpus = (rlmesh.get("placement") or {}).get("reference_gpus", 0)
+    if not isinstance(tp, int) or tp < 1 or not isinstance(reference_gpus, int):
+        return  # reported by validation
+    ref = rlmesh.get("reference") or {}
+    reference_on_gpu = (
+        not ref.get("colocated")
+        and not ref.get("addresses")
+        and str(ref.get("device") or "cuda").startswith("cuda")
+    )
+    try:
+        split = split_gpus(
+            gpus,
+            tp=tp,
+            learner_on_gpu=trainer.get("device", "cuda") == "cuda",
+            rollout_on_gpu=rollout.get("name") == "sglang",
+            ranks=_get_int(rlmesh, "learner", "ranks") if "rlmesh.learner.ranks" in given else None,
+            replicas=_get_int(rlmesh, "rollout", "replicas") if "rlmesh.rollout.replicas" in given else None,
+            reference_gpus=reference_gpus if reference_on_gpu else 0,
+        )
+    except PlacementError as e:
+        problems.append(str(e))
+        return
+    rlmesh.setdefault("learner", {})["ranks"] = split.ranks
+    rlmesh.setdefault("rollout", {})["replicas"] = split.replicas
+    if split.shared:
+        weight_sync = rlmesh.setdefault("weight_sync", {})
+        if weight_sync.get("backend", "auto") == "nccl":
+            problems.append(
+                f"rlmesh.weight_sync.backend=nccl with trainer.n_gpus_per_node={gpus}: the learner and "
+                "the replica share the GPU and NCCL refuses two ranks of one group on one GPU; use gloo"
+            )
+        weight_sync["backend"] = "gloo"
+
+
+def _get_int(tree: dict[str, Any], section: str, key: str) -> int | None:
+    value = (tree.get(section) or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def dump_yaml(cfg: RLMeshConfig) -> str:

@@ -232,6 +232,20 @@ def _service(name: str, kind: type[ServiceConfig] = ServiceConfig) -> Any:
     )
 
 
+class PlacementConfig(Section):
+    """Where a GPU job's processes run on a node: the learner's ranks (rlmesh.learner.ranks), the
+    replicas (rlmesh.rollout.replicas x tensor_model_parallel_size) and the reference; a config
+    that sets trainer.n_gpus_per_node and not those two keys gets a split that uses every GPU."""
+
+    reference_gpus: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="GPUs of the reference service's own (1), or 0: it shares the learner's first GPU "
+        "(it only scores; it never joins a NCCL group)",
+    )
+
+
 class WeightSyncConfig(Section):
     """How the learner pushes new weights to rollout engines."""
 
@@ -388,6 +402,9 @@ class RlmeshSection(Section):
     control: ControlServiceConfig = _service("control", ControlServiceConfig)
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="learner → engine weights"
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="GPUs of a node, by process (docs/train.md#gpus)"
     )
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="process lifecycle")
     queue: QueueConfig = Field(default_factory=QueueConfig, description="Redis streams")

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import grpc
 
+from rlmesh.config import RLMeshConfig
+from rlmesh.config.placement import (
+    GpuPlan,
+    PlacementError,
+    check_fits_machine,
+    gpu_count,
+    plan_gpus,
+    visible_gpus,
+)
 from rlmesh.config.secrets import redact_url
+from rlmesh.config.verl_map import gpu_present
 from rlmesh.runtime.auth import bearer_metadata
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping, scrape_metrics
 from rlmesh.runtime.launcher import (
@@ -103,6 +113,7 @@ class Stack:
     attached: dict[str, list[str]] = field(default_factory=dict)  # service -> addresses not started here
     # name -> (service, its own overrides, health timeout): what restart() starts again
     specs: dict[str, tuple[str, list[str], float]] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> its GPUs (the GPU plan)
     launcher: ProcessLauncher | None = None
     config_path: str | None = None
 
@@ -154,10 +165,25 @@ class Stack:
             name=name,
             config_path=self.config_path,
             overrides=[*self.overrides, *free_port_overrides(service), *extra, *keep],
+            env=self.envs.get(name),
             timeout_s=timeout_s,
         )
         self.started[self.started.index(old)] = instance
         return instance.process
+
+
+def gpu_plan_here(cfg: RLMeshConfig) -> GpuPlan | None:
+    """The config's GPU plan where this machine has a GPU (None elsewhere: nothing to place);
+    ``PlacementError`` (a ``LaunchError``'s message) when it does not fit the machine."""
+    if not gpu_present():
+        return None
+    try:
+        plan = plan_gpus(cfg)
+        if plan is not None:
+            check_fits_machine(plan, gpu_count())
+    except PlacementError as e:
+        raise LaunchError(str(e)) from None
+    return plan
 
 
 def start_stack(
@@ -184,6 +210,9 @@ def start_stack(
 
     cfg = load_config(config_path, overrides)
     timeout_s = cfg.rlmesh.runtime.health_timeout_s
+    plan = gpu_plan_here(cfg)
+    if plan is not None:
+        say(plan.describe())
     if "rlmesh.redis_url" in given_keys(config_path, overrides):
         redis, redis_url = None, cfg.rlmesh.redis_url
         say(f"{'redis':<12} {redact_url(redis_url)} (given: not started here)")
@@ -207,12 +236,16 @@ def start_stack(
         for service, name, extra, _ in specs:
             wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
             stack.specs[name] = (service, list(extra), wait_s)
+            placed = plan.of(name) if plan is not None else None
+            if placed is not None:
+                stack.envs[name] = placed.env(visible_gpus())
             requests.append(
                 ServiceRequest(
                     service,
                     name=name,
                     config_path=config_path,
                     overrides=[*stack.overrides, *free_port_overrides(service), *extra],
+                    env=stack.envs.get(name),
                     timeout_s=wait_s,
                 )
             )

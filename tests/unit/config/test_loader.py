@@ -429,17 +429,20 @@ def test_config_from_dict() -> None:
 
 
 def test_verls_gpu_count_sets_the_learner_ranks_when_ranks_is_not_given() -> None:
-    assert load_config(None, ["trainer.n_gpus_per_node=4"]).rlmesh.learner.ranks == 4
-    assert (
-        load_config(None, ["trainer.n_gpus_per_node=4", "rlmesh.learner.ranks=2"]).rlmesh.learner.ranks == 2
-    )
-    assert load_config(None, ["trainer.n_gpus_per_node=0"]).rlmesh.learner.ranks == 1  # a CPU run
-    assert load_config(None, []).rlmesh.learner.ranks == 1  # verl's default 8 is not a request
+    """With the CPU engine the replicas take no GPU: the learner gets them all (the split with
+    SGLang replicas: test_placement.py)."""
+
+    def ranks(*overrides: str) -> int:
+        return load_config(None, ["actor_rollout_ref.rollout.name=embedded", *overrides]).rlmesh.learner.ranks
+
+    assert ranks("trainer.n_gpus_per_node=4") == 4
+    assert ranks("trainer.n_gpus_per_node=4", "rlmesh.learner.ranks=2") == 2
+    assert ranks("trainer.n_gpus_per_node=0") == 1  # a CPU run
+    assert ranks() == 1  # verl's default 8 is not a request
     # verl's multi-node lines load; the warning says the launcher starts one node's ranks
     with pytest.warns(ConfigWarning, match=r"trainer\.nnodes=2: .*torchrun.*rlmesh\.learner\.ranks"):
-        assert load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2"]).rlmesh.learner.ranks == 8
-    cfg = load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2", "rlmesh.learner.ranks=8"])
-    assert cfg.rlmesh.learner.ranks == 8
+        assert ranks("trainer.n_gpus_per_node=8", "trainer.nnodes=2") == 8
+    assert ranks("trainer.n_gpus_per_node=8", "trainer.nnodes=2", "rlmesh.learner.ranks=8") == 8
 
 
 def test_optim_clip_grad_is_verls_newer_name_of_grad_clip() -> None:

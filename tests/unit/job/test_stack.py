@@ -15,12 +15,14 @@ REDIS = "rlmesh.redis_url=redis://127.0.0.1:1/0"  # given: no Redis is started
 class RecordingLauncher:
     def __init__(self) -> None:
         self.started: list[tuple[str, str, list[str]]] = []
+        self.envs: dict[str, dict[str, str] | None] = {}
         self.waves: list[list[str]] = []  # names started side by side, wave by wave
 
     def start_services(self, requests):
         instances = []
         for r in requests:
             self.started.append((r.service, r.name, list(r.overrides)))
+            self.envs[r.name] = r.env
             process = SimpleNamespace(pid=1000 + len(self.started))
             instances.append(ServiceInstance(process, r.name, f"127.0.0.1:{6000 + len(self.started)}", None))
         self.waves.append([r.name for r in requests])
@@ -83,3 +85,52 @@ def test_services_start_in_three_waves_each_side_by_side():
     for name in ("rollout-0", "rollout-1", "learner"):
         assert "rlmesh.reward.addresses=['127.0.0.1:6001']" in by_name[name]
         assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in by_name[name]
+
+
+def test_on_a_gpu_machine_each_process_is_started_with_its_own_gpus(monkeypatch):
+    """The machine's GPUs are what this test cannot have: their count is given, the rest is real."""
+    import rlmesh.job.stack as stack_module
+
+    monkeypatch.setattr(stack_module, "gpu_present", lambda: True)
+    monkeypatch.setattr(stack_module, "gpu_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    launcher, said = RecordingLauncher(), []
+    start_stack(
+        launcher,
+        None,
+        [
+            REDIS,
+            "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.rollout.name=sglang",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "algorithm.use_kl_in_reward=true",
+        ],
+        say=said.append,
+    )
+    gpus = {name: (env or {}).get("CUDA_VISIBLE_DEVICES") for name, env in launcher.envs.items()}
+    assert gpus == {
+        "reward": None,
+        "reference": "0",
+        "rollout-0": "4,5",
+        "rollout-1": "6,7",
+        "learner": "0,1,2,3",
+        "control": None,
+    }
+    assert said[0].startswith("GPU plan for trainer.n_gpus_per_node=8")
+
+
+def test_a_plan_the_machine_cannot_hold_stops_the_start(monkeypatch):
+    import rlmesh.job.stack as stack_module
+    from rlmesh.runtime.launcher import LaunchError
+
+    monkeypatch.setattr(stack_module, "gpu_present", lambda: True)
+    monkeypatch.setattr(stack_module, "gpu_count", lambda: 1)
+    launcher = RecordingLauncher()
+    with pytest.raises(LaunchError, match="uses 4 GPUs but this machine has 1"):
+        start_stack(
+            launcher,
+            None,
+            [REDIS, "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.name=sglang"],
+            say=lambda line: None,
+        )
+    assert launcher.started == []

@@ -1,0 +1,191 @@
+"""Which GPUs of a node each process gets: verl's ``trainer.n_gpus_per_node`` split between the
+learner's ranks, the rollout replicas (``tensor_model_parallel_size`` GPUs each) and the reference
+service. docs/train.md#gpus"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlmesh.config.schema import RLMeshConfig
+
+
+class PlacementError(ValueError):
+    """The GPUs asked for do not fit the node; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    ranks: int  # learner ranks, one GPU each (when the learner is on CUDA)
+    replicas: int  # rollout replicas, tp GPUs each (when they run SGLang)
+    shared: bool = False  # one GPU holds the learner and the replica: weight sync over gloo
+
+
+def split_gpus(
+    gpus: int,
+    *,
+    tp: int,
+    learner_on_gpu: bool,
+    rollout_on_gpu: bool,
+    ranks: int | None,
+    replicas: int | None,
+    reference_gpus: int = 0,
+) -> GpuSplit:
+    """The learner's ranks and the replicas a node of ``gpus`` GPUs holds; ``ranks`` / ``replicas``:
+    what the config set (None: this picks). Unset, the rollout gets half the GPUs (rounded up, at
+    least one replica) and the learner the rest: verl colocates the two on every GPU, rlmesh gives
+    each its own. One GPU with tp 1 holds one rank and one replica together. Raises
+    ``PlacementError`` naming the numbers when they do not fit."""
+    have = gpus - reference_gpus
+    if have < 1:
+        raise PlacementError(
+            f"trainer.n_gpus_per_node={gpus} leaves no GPU once the reference takes "
+            f"rlmesh.placement.reference_gpus={reference_gpus}"
+        )
+    if not rollout_on_gpu:
+        return GpuSplit(ranks=ranks or (have if learner_on_gpu else 1), replicas=replicas or 1)
+    if not learner_on_gpu:
+        replicas = replicas or max(1, have // tp)
+        ranks = ranks or 1
+    elif ranks is None and replicas is None:
+        replicas = max(1, (have - have // 2) // tp)
+        ranks = have - replicas * tp
+    elif ranks is None:
+        ranks = have - replicas * tp  # type: ignore[operator]
+    elif replicas is None:
+        replicas = (have - ranks) // tp
+    assert ranks is not None and replicas is not None
+    if have == 1 and tp == 1 and ranks <= 1 and replicas <= 1 and learner_on_gpu:
+        return GpuSplit(ranks=1, replicas=1, shared=True)
+    need = (ranks if learner_on_gpu else 0) + replicas * tp
+    if ranks < 1 or replicas < 1 or need > have:
+        shown_ranks, shown_replicas = max(ranks, 1), max(replicas, 1)
+        total = shown_ranks * learner_on_gpu + shown_replicas * tp + reference_gpus
+        used = f"{shown_ranks} learner rank(s)" if learner_on_gpu else "the learner on the CPU"
+        reference = f" + rlmesh.placement.reference_gpus={reference_gpus}" if reference_gpus else ""
+        raise PlacementError(
+            f"trainer.n_gpus_per_node={gpus} does not fit {used} + {shown_replicas} rollout replica(s) x "
+            f"tensor_model_parallel_size={tp}{reference} = {total} GPUs; set rlmesh.learner.ranks and "
+            f"rlmesh.rollout.replicas so that ranks + replicas x tp{' + reference_gpus' if reference_gpus else ''}"
+            f" <= {gpus}, or lower tensor_model_parallel_size"
+        )
+    return GpuSplit(ranks=ranks, replicas=replicas)
+
+
+@dataclass(frozen=True)
+class Placed:
+    name: str  # learner, rollout-<i>, reference
+    gpus: tuple[int, ...]  # device ids on the node
+
+    def env(self, visible: list[str] | None = None) -> dict[str, str]:
+        """The environment that gives the process exactly its GPUs (SGLang then starts on the first
+        of them: its base GPU id stays 0). ``visible``: the launcher's own CUDA_VISIBLE_DEVICES
+        entries, which the plan's ids index (None: all of the node's)."""
+        ids = [visible[g] if visible is not None else str(g) for g in self.gpus]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    gpus_per_node: int
+    placed: tuple[Placed, ...]
+    shared: bool
+
+    def of(self, name: str) -> Placed | None:
+        return next((p for p in self.placed if p.name == name), None)
+
+    def describe(self) -> str:
+        lines = [f"GPU plan for trainer.n_gpus_per_node={self.gpus_per_node}:"]
+        for p in self.placed:
+            lines.append(f"  {p.name:<12} GPU {','.join(map(str, p.gpus))}")
+        used = sorted({g for p in self.placed for g in p.gpus})
+        idle = [g for g in range(self.gpus_per_node) if g not in used]
+        if idle:
+            lines.append(f"  {'(unused)':<12} GPU {','.join(map(str, idle))}")
+        if self.shared:
+            lines.append("  one GPU holds the learner and the replica: weights go over gloo")
+        return "\n".join(lines)
+
+
+def visible_gpus() -> list[str] | None:
+    """This process's CUDA_VISIBLE_DEVICES entries, or None where it is unset."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+
+
+def gpu_count() -> int:
+    """The GPUs this process may use, read without importing torch: CUDA_VISIBLE_DEVICES' entries,
+    else the NVIDIA driver's list."""
+    visible = visible_gpus()
+    if visible is not None:
+        return len(visible)
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+
+
+def check_fits_machine(plan: GpuPlan, available: int) -> None:
+    """Raises ``PlacementError`` when the plan places a process on a GPU the machine lacks."""
+    needed = 1 + max(g for p in plan.placed for g in p.gpus)
+    if needed > available:
+        raise PlacementError(
+            f"the GPU plan (trainer.n_gpus_per_node={plan.gpus_per_node}) uses {needed} GPUs but this machine "
+            f"has {available} this process may use; set trainer.n_gpus_per_node={available} or free GPUs\n"
+            + plan.describe()
+        )
+
+
+def reference_on_gpu(cfg: RLMeshConfig) -> bool:
+    """A reference service this job starts, on CUDA."""
+    ref = cfg.rlmesh.reference
+    return not ref.colocated and not ref.addresses and (ref.device or "cuda").startswith("cuda")
+
+
+def plan_gpus(cfg: RLMeshConfig) -> GpuPlan | None:
+    """Each GPU process's device ids on a node of ``trainer.n_gpus_per_node`` GPUs, in order: the
+    learner's ranks, then each replica's tp GPUs, then the reference's own GPU
+    (``rlmesh.placement.reference_gpus``; 0: it shares the learner's first GPU, or the first one).
+    None when the job starts nothing on CUDA. Raises ``PlacementError`` when it does not fit."""
+    rollout = cfg.actor_rollout_ref.rollout
+    gpus, tp = cfg.trainer.n_gpus_per_node, rollout.tensor_model_parallel_size
+    learner_on_gpu = cfg.trainer.device == "cuda"
+    replicas = cfg.rlmesh.rollout.replicas if rollout.name == "sglang" else 0
+    reference = reference_on_gpu(cfg)
+    reference_gpus = cfg.rlmesh.placement.reference_gpus if reference else 0
+    if not (learner_on_gpu or replicas or reference) or gpus < 1:
+        return None
+    ranks = cfg.rlmesh.learner.ranks if learner_on_gpu else 0
+    placed: list[Placed] = []
+    if replicas:
+        split = split_gpus(
+            gpus,
+            tp=tp,
+            learner_on_gpu=learner_on_gpu,
+            rollout_on_gpu=True,
+            ranks=max(ranks, 1),
+            replicas=replicas,
+            reference_gpus=reference_gpus,
+        )
+        if split.shared:
+            placed = [Placed("learner", (0,)), Placed("rollout-0", (0,))]
+            if reference:
+                placed.append(Placed("reference", (0,)))
+            return GpuPlan(gpus, tuple(placed), shared=True)
+    elif ranks + reference_gpus > gpus:
+        raise PlacementError(
+            f"trainer.n_gpus_per_node={gpus} does not fit {ranks} learner rank(s)"
+            + (f" + rlmesh.placement.reference_gpus={reference_gpus}" if reference_gpus else "")
+        )
+    next_gpu = 0
+    if ranks:
+        placed.append(Placed("learner", tuple(range(ranks))))
+        next_gpu = ranks
+    for i in range(replicas):
+        placed.append(Placed(f"rollout-{i}", tuple(range(next_gpu, next_gpu + tp))))
+        next_gpu += tp
+    if reference:
+        own = (next_gpu,) if reference_gpus else (0,)
+        placed.append(Placed("reference", own))
+    return GpuPlan(gpus, tuple(placed), shared=False)
