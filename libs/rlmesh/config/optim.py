@@ -142,7 +142,8 @@ class DeepSpeedConfig(Section):
     )
     offload_optimizer: bool | None = Field(
         None,
-        description="offload optimizer state to CPU (needs zero_stage >= 1); null = fsdp_config.optimizer_offload",
+        description="offload optimizer state to CPU (needs zero_stage >= 1), stepped by DeepSpeed's CPU "
+        "Adam on rlmesh.learner.optimizer_threads; null = fsdp_config.optimizer_offload",
     )
     dtype: DType | None = Field(None, description="training compute dtype; null = fsdp_config.dtype")
 

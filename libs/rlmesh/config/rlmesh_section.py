@@ -157,6 +157,12 @@ class LearnerServiceConfig(ServiceConfig):
         "resumed: the control plane's POST /api/v1/run/resume, rlmesh ctl resume or Learner.Resume. "
         "`rlmesh up` sets it, so a stack check trains nothing",
     )
+    optimizer_threads: int = Field(
+        0,
+        ge=0,
+        description="threads of the optimizer step when its states are offloaded to the CPU "
+        "(actor/critic offload_optimizer: DeepSpeed's CPU Adam); 0 = every core the rank may use",
+    )
     torch_threads: int = Field(
         0,
         ge=0,

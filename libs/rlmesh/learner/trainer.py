@@ -94,7 +94,12 @@ class PPOTrainer:
         )
         self.vocab_size = int(hf_model(actor_module).config.vocab_size)
         engine, optimizer = build_engine(
-            actor_module, actor_cfg.optim, actor_cfg.effective_engine(), actor_cfg.grad_clip, self.dp_size
+            actor_module,
+            actor_cfg.optim,
+            actor_cfg.effective_engine(),
+            actor_cfg.grad_clip,
+            self.dp_size,
+            optimizer_threads=config.rlmesh.learner.optimizer_threads,
         )
         self.actor = DeepSpeedPPOActor(
             engine,
@@ -130,6 +135,7 @@ class PPOTrainer:
                 critic_cfg.effective_engine(),
                 critic_cfg.grad_clip,
                 self.dp_size,
+                optimizer_threads=config.rlmesh.learner.optimizer_threads,
             )
             self.critic = DeepSpeedPPOCritic(
                 engine,
