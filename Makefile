@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -30,6 +30,17 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	@touch $@
 
 venv: $(VENV)/.installed
+
+# The `gpu` extra's lock (constraints-gpu.txt: sglang, torch and transformers as sglang pins them):
+# write it from pip's resolver, or check that `.[gpu]` still resolves to it (a dry run, ~1 minute,
+# metadata only). Neither needs a GPU; the CUDA image builds with it (docs/deploy.md).
+lock-gpu:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv && .lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python deploy/gpu_lock.py write && rm -rf .lock-venv
+
+gpu-lock-check:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv && .lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python deploy/gpu_lock.py check && rm -rf .lock-venv
 
 # Re-resolve every dependency to the newest release pyproject.toml allows, in a throw-away venv,
 # and write the result to constraints.txt (keeping its header). Measure the README's figures again
@@ -84,6 +95,11 @@ $(SGLANG_VENV)/.installed: tests/support/sglang-requirements.txt
 
 sglang-contract: venv $(SGLANG_VENV)/.installed
 	RLMESH_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider -m sglang_contract tests/contract
+
+# On a machine with a GPU (never needed by `make test`): the driver, torch's CUDA and sglang; one learner
+# DeepSpeed step on CUDA; with sglang installed, a 5-step job on SGLang. One JSON line at the end.
+gpu-smoke: venv
+	$(BIN)/python -m rlmesh.job.gpu_smoke
 
 # rlmesh ray up on a real two-node local Ray cluster (the `cluster` extra; about 9 minutes; not part
 # of `make test`): placement by custom resources, a replica actor killed and restarted, ray down, SIGTERM.

@@ -17,16 +17,16 @@ from tests.support.repo import REPO
 LOCKED_EXTRAS = ("dev",)
 
 
-def read_lock() -> dict[str, Version]:
+def read_lock(name: str = "constraints.txt") -> dict[str, Version]:
     pins: dict[str, Version] = {}
-    for number, line in enumerate((REPO / "constraints.txt").read_text().splitlines(), start=1):
+    for number, line in enumerate((REPO / name).read_text().splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        name, sep, version = line.partition("==")
-        assert sep and version, f"constraints.txt:{number}: {line!r} is not NAME==VERSION"
-        key = canonicalize_name(name)
-        assert key not in pins, f"constraints.txt:{number}: {name} is pinned twice"
+        package, sep, version = line.partition("==")
+        assert sep and version, f"{name}:{number}: {line!r} is not NAME==VERSION"
+        key = canonicalize_name(package)
+        assert key not in pins, f"{name}:{number}: {package} is pinned twice"
         pins[key] = Version(version)
     return pins
 
@@ -89,3 +89,17 @@ def test_the_lock_is_closed_under_dependencies_and_is_what_is_installed():
     if unused:
         problems.append(f"constraints.txt pins packages nothing requires: {', '.join(unused)}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_gpu_lock_pins_every_project_requirement_and_sglangs_torch():
+    """constraints-gpu.txt (`make lock-gpu`; `make gpu-lock-check` resolves against it): rlmesh's
+    own requirements within their ranges, sglang's, and torch as the CUDA image installs it."""
+    pins = read_lock("constraints-gpu.txt")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for req in [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]]:
+        key = canonicalize_name(req.name)
+        assert key in pins, f"constraints-gpu.txt does not pin {req.name}"
+        assert pins[key] in req.specifier, f"constraints-gpu.txt: {req.name}=={pins[key]} outside {req}"
+    compose = (REPO / "examples" / "gpu_qwen2.5-0.5b_gsm8k.compose.yml").read_text()
+    assert f'TORCH_VERSION: "{pins["torch"]}"' in compose and "CONSTRAINTS: constraints-gpu.txt" in compose
+    assert '-c "$CONSTRAINTS"' in (REPO / "deploy" / "Dockerfile").read_text()
