@@ -97,3 +97,10 @@ def test_gspo_job_clips_whole_sequences(tmp_path):
         assert clipped == pytest.approx(round(clipped), abs=1e-4), (step, row["actor/pg_clipfrac"])
         assert round(clipped) >= 1, (step, row["actor/pg_clipfrac"])
         assert row["actor/pg_clipfrac_lower"] == 0.0, step
+        # Every push reached the one replica and was read back from it (the embedded engine can).
+        pushes = (
+            row["weight_sync/engines"],
+            row["weight_sync/failed_engines"],
+            row["weight_sync/unchecked_engines"],
+        )
+        assert pushes == (1, 0, 0), (step, pushes)
