@@ -102,3 +102,25 @@ def test_the_gpu_recipe_ray_script_is_a_valid_rlmesh_ray_up():
     args = ray_parser().parse_args(argv)
     cfg = load_config(REPO / args.config, args.overrides)
     assert cfg.rlmesh.rollout.replicas == 4 and cfg.rlmesh.learner.ranks == 4
+
+
+def test_the_gpu_recipe_compose_override_reserves_the_gpus_of_the_plan():
+    """Each service's device_ids are what `rlmesh config show` plans for the recipe: the learner's
+    ranks, the reference's GPU, and the replicas' GPUs as one pool they claim slots of."""
+    from rlmesh.config.placement import plan_gpus
+
+    override = REPO / "examples" / "gpu_qwen2.5-0.5b_gsm8k.compose.yml"
+    services = yaml.safe_load(override.read_text())["services"]
+
+    def reserved(name: str) -> tuple[int, ...]:
+        [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device, f"{name}: count gives every container the first GPUs; name device_ids"
+        return tuple(int(d) for d in device["device_ids"])
+
+    command = [expand(a) for a in services["rollout"]["command"]]
+    recipe = REPO / command[command.index("-c") + 1]
+    assert load_config(recipe, command[command.index("-c") + 2 :]).rlmesh.placement.claim_gpus
+    plan = {p.name: p.gpus for p in plan_gpus(load_config(recipe)).placed}
+    assert reserved("learner") == plan["learner"] and reserved("reference") == plan["reference"]
+    pool = tuple(g for name, gpus in plan.items() if name.startswith("rollout") for g in gpus)
+    assert reserved("rollout") == pool

@@ -250,6 +250,12 @@ class PlacementConfig(Section):
         description="GPUs of the reference service's own (1), or 0: it shares the learner's first GPU "
         "(it only scores; it never joins a NCCL group)",
     )
+    claim_gpus: bool = Field(
+        False,
+        description="an SGLang replica claims tensor_model_parallel_size of the GPUs it sees (by UUID, "
+        "under a lease in Redis) and starts SGLang on those only: for replicas that share a GPU pool, "
+        "as compose's --scale rollout=N does; false = the GPUs it is given",
+    )
 
 
 class WeightSyncConfig(Section):

@@ -31,6 +31,16 @@ class RunningEngine:
     device: str = "cpu"  # where it holds the weights: engine_device_of
 
 
+def engine_env(token: str | None, gpus: list[str] | None = None) -> dict[str, str]:
+    """What an engine's process gets on top of ours: the token, set either way (an engine told no
+    token must not inherit one from this process's environment), and ``gpus`` (ids or UUIDs) as
+    CUDA_VISIBLE_DEVICES when the replica claimed its own (gpu_slots)."""
+    env = {ENV_AUTH_TOKEN: token or ""}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return env
+
+
 def sglang_launch_argv(
     model_path: str,
     port: int,
@@ -171,6 +181,7 @@ async def start_engine(
     extra_args: list[str] | None = None,
     token: str | None = None,
     override_config: dict[str, Any] | None = None,
+    gpus: list[str] | None = None,
 ) -> RunningEngine:
     """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
     handed over in the child's environment, never its argv; the client sends it, also to an engine
@@ -181,8 +192,7 @@ async def start_engine(
     model config overrides (an SGLang server takes them in ``extra_args``, sglang_rollout_args)."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
-    # Set either way: an engine told no token must not inherit one from this process's environment.
-    env = {ENV_AUTH_TOKEN: token or ""}
+    env = engine_env(token, gpus)
     if kind == "embedded":
         if not Path(model_path).exists():
             raise FileNotFoundError(f"actor_rollout_ref.model.path={model_path!r} does not exist")

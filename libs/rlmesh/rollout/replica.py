@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
+
 from rlmesh.config import RLMeshConfig
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
@@ -20,6 +22,7 @@ from rlmesh.queue.policy import read_policy
 from rlmesh.reference.client import ReferenceClient
 from rlmesh.reward.client import RewardClient
 from rlmesh.rollout.engines import RunningEngine, sglang_rollout_args, start_engine
+from rlmesh.rollout.gpu_slots import GpuClaim, claim_gpus, visible_gpu_uuids
 from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, parse_version
 from rlmesh.rollout.servicer import RolloutServicer
@@ -78,10 +81,10 @@ def sglang_extra_args(cfg: RLMeshConfig) -> list[str]:
 
 
 async def start_replica_engine(
-    cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str
+    cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str, gpus: list[str] | None = None
 ) -> RunningEngine:
     """The engine binds the replica's own bind host, so a learner elsewhere reaches it when the
-    replica does (docs/design.md#addresses)."""
+    replica does (docs/design.md#addresses); ``gpus``: the ones it claimed (gpu_slots)."""
     rollout, sampler = cfg.actor_rollout_ref.rollout, cfg.rlmesh.sampler
     model = cfg.actor_rollout_ref.model
     return await start_engine(
@@ -102,7 +105,22 @@ async def start_replica_engine(
         skip_tokenizer_init=rollout.skip_tokenizer_init,
         token=cfg.rlmesh.auth_token or "",
         override_config=model.override_config,
+        gpus=gpus,
     )
+
+
+async def claim_replica_gpus(cfg: RLMeshConfig, redis: aioredis.Redis, keys: RunKeys) -> GpuClaim | None:
+    """With ``rlmesh.placement.claim_gpus``, an SGLang replica that starts its server takes a slot of
+    tensor_model_parallel_size of the GPUs it sees (``gpu_slots.claim_gpus``); else None."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if not cfg.rlmesh.placement.claim_gpus or rollout.name != "sglang" or rollout.sglang.url:
+        return None
+    uuids = await asyncio.to_thread(visible_gpu_uuids)
+    claim = await claim_gpus(
+        redis, keys, uuids, rollout.tensor_model_parallel_size, cfg.rlmesh.queue.heartbeat_ttl_s
+    )
+    log.info("claimed GPUs %s of the %d this replica sees", ",".join(claim.gpus), len(uuids))
+    return claim
 
 
 class RolloutReplica:
@@ -123,8 +141,10 @@ class RolloutReplica:
         reference: ReferenceClient | None,
         sampler: SamplerLoop,
         on_lost: Callable[[str], Awaitable[None]],
+        gpu_claim: GpuClaim | None = None,
     ) -> None:
         self.cfg = cfg
+        self.gpu_claim = gpu_claim  # held while its SGLang runs on the GPUs it claimed
         self.replica_id = replica_id
         self.keys = RunKeys(cfg.rlmesh.run_id)
         self.redis = redis
@@ -171,7 +191,13 @@ class RolloutReplica:
         keys = RunKeys(cfg.rlmesh.run_id)
         redis = connect(cfg.rlmesh.redis_url)
         launcher = ProcessLauncher(stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s)
-        engine = await start_replica_engine(cfg, launcher, replica_id)
+        gpu_claim = await claim_replica_gpus(cfg, redis, keys)
+        try:
+            engine = await start_replica_engine(cfg, launcher, replica_id, gpu_claim and gpu_claim.gpus)
+        except BaseException:
+            if gpu_claim is not None:
+                await gpu_claim.release()
+            raise
         reward = RewardClient.from_config(cfg, redis=redis)
         # A colocated reference is the learner's: no service to call, trajectories carry none.
         colocated = cfg.rlmesh.reference.colocated
@@ -209,6 +235,7 @@ class RolloutReplica:
             reference=reference,
             sampler=sampler,
             on_lost=on_lost,
+            gpu_claim=gpu_claim,
         )
         await replica.load_run_weights()
         return replica
@@ -323,4 +350,7 @@ class RolloutReplica:
             await self.reference.close()
         await self.engine.client.aclose()
         await asyncio.to_thread(self.launcher.stop_all)
+        if self.gpu_claim is not None:  # its SGLang is gone: the GPUs are free for another replica
+            with contextlib.suppress(Exception):
+                await self.gpu_claim.release()
         await self.redis.aclose()  # type: ignore[attr-defined]
