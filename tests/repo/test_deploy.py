@@ -102,6 +102,10 @@ def test_the_gpu_recipe_ray_script_is_a_valid_rlmesh_ray_up():
     args = ray_parser().parse_args(argv)
     cfg = load_config(REPO / args.config, args.overrides)
     assert cfg.rlmesh.rollout.replicas == 4 and cfg.rlmesh.learner.ranks == 4
+    from rlmesh.ray.plan import plan_actors
+
+    gpus = {p.name: p.num_gpus for p in plan_actors(cfg)}  # the reference in the learner: 8 GPUs
+    assert sum(gpus.values()) == 8 and gpus["learner"] == 4
 
 
 def test_the_gpu_recipe_compose_override_reserves_the_gpus_of_the_plan():

@@ -30,6 +30,7 @@ def test_gpus_come_from_the_config_on_cuda():
             "actor_rollout_ref.rollout.name=sglang",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             "rlmesh.reference.colocated=false",
+            "rlmesh.placement.reference_gpus=1",
         ],
     )
     gpus = {p.name: p.num_gpus for p in plan_actors(cfg)}
@@ -42,6 +43,16 @@ def test_gpus_come_from_the_config_on_cuda():
         "learner": 4,
         "control": 0,
     }
+
+
+def test_a_reference_sharing_the_learners_gpu_is_refused_under_ray():
+    cfg = load_config(
+        str(CPU_DEMO),
+        ["trainer.device=cuda", "rlmesh.reference.colocated=false", "rlmesh.reference.device=cuda"],
+    )
+    with pytest.raises(PlanError, match=r"reference_gpus=0 has it share the learner's first GPU, which Ray"):
+        plan_actors(cfg)
+    assert {p.name: p.num_gpus for p in plan_actors(cfg, num_gpus={"reference": 0.5})}["reference"] == 0.5
 
 
 def test_given_services_are_not_started_and_flags_override_the_defaults():

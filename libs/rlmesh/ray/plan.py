@@ -119,7 +119,16 @@ def plan_actors(
     if not cfg.rlmesh.reward.addresses:
         plans.append(plan("reward", "reward"))
     if not cfg.rlmesh.reference.colocated and not cfg.rlmesh.reference.addresses:
-        plans.append(plan("reference", "reference"))
+        reference = plan("reference", "reference")
+        if "reference" not in num_gpus and reference.num_gpus and not cfg.rlmesh.placement.reference_gpus:
+            # The GPU plan shares the learner's first GPU with it; Ray gives whole GPUs to one actor.
+            raise PlanError(
+                "the reference service runs on CUDA and rlmesh.placement.reference_gpus=0 has it share the "
+                "learner's first GPU, which Ray cannot do: set rlmesh.placement.reference_gpus=1 (a GPU of "
+                "its own), rlmesh.reference.colocated=true, rlmesh.reference.device=cpu, or --num-gpus "
+                "reference=N"
+            )
+        plans.append(reference)
     for i in range(cfg.rlmesh.rollout.replicas):
         name = f"rollout-{i}"
         plans.append(plan("rollout", name, max_restarts, [f"rlmesh.sampler.replica_id={name}"]))
