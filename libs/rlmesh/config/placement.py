@@ -19,7 +19,7 @@ class PlacementError(ValueError):
 class GpuSplit:
     ranks: int  # learner ranks, one GPU each (when the learner is on CUDA)
     replicas: int  # rollout replicas, tp GPUs each (when they run SGLang)
-    shared: bool = False  # one GPU holds the learner and the replica: weight sync over gloo
+    shared: bool = False  # the learner's GPUs are also the replicas': weight sync over gloo
 
 
 def split_gpus(
@@ -35,16 +35,25 @@ def split_gpus(
     """The learner's ranks and the replicas a node of ``gpus`` GPUs holds; ``ranks`` / ``replicas``:
     what the config set (None: this picks). Unset, the rollout gets half the GPUs (rounded up, at
     least one replica) and the learner the rest: verl colocates the two on every GPU, rlmesh gives
-    each its own. One GPU with tp 1 holds one rank and one replica together. Raises
-    ``PlacementError`` naming the numbers when they do not fit."""
+    each its own. Where that leaves either none (1 GPU; 2 GPUs with tp 2), they share the GPUs as
+    verl's do: a rank on every GPU and ``gpus // tp`` replicas over the same ones (``shared``: the
+    weights then go over gloo). Raises ``PlacementError`` naming the numbers when what the config
+    set does not fit, or a replica is wider than the node."""
     have = gpus - reference_gpus
     if have < 1:
         raise PlacementError(
             f"trainer.n_gpus_per_node={gpus} leaves no GPU once the reference takes "
             f"rlmesh.placement.reference_gpus={reference_gpus}"
         )
+    ranks_given, replicas_given = ranks is not None, replicas is not None
     if not rollout_on_gpu:
         return GpuSplit(ranks=ranks or (have if learner_on_gpu else 1), replicas=replicas or 1)
+    if tp > have:
+        raise PlacementError(
+            f"a rollout replica of tensor_model_parallel_size={tp} needs {tp} GPUs; trainer.n_gpus_per_node="
+            f"{gpus} has {have}{' besides the reference' if reference_gpus else ''}: lower "
+            "tensor_model_parallel_size or give the node more GPUs"
+        )
     if not learner_on_gpu:
         replicas = replicas or max(1, have // tp)
         ranks = ranks or 1
@@ -56,9 +65,10 @@ def split_gpus(
     elif replicas is None:
         replicas = (have - ranks) // tp
     assert ranks is not None and replicas is not None
-    if have == 1 and tp == 1 and ranks <= 1 and replicas <= 1 and learner_on_gpu:
-        return GpuSplit(ranks=1, replicas=1, shared=True)
     need = (ranks if learner_on_gpu else 0) + replicas * tp
+    unset = not (ranks_given or replicas_given)
+    if learner_on_gpu and unset and tp <= have and (ranks < 1 or replicas < 1 or need > have):
+        return GpuSplit(ranks=have, replicas=have // tp, shared=True)
     if ranks < 1 or replicas < 1 or need > have:
         shown_ranks, shown_replicas = max(ranks, 1), max(replicas, 1)
         total = shown_ranks * learner_on_gpu + shown_replicas * tp + reference_gpus
@@ -104,7 +114,7 @@ class GpuPlan:
         if idle:
             lines.append(f"  {'(unused)':<12} GPU {','.join(map(str, idle))}")
         if self.shared:
-            lines.append("  one GPU holds the learner and the replica: weights go over gloo")
+            lines.append("  the learner's GPUs are also the replicas': weights go over gloo")
         return "\n".join(lines)
 
 
@@ -159,7 +169,22 @@ def plan_gpus(cfg: RLMeshConfig) -> GpuPlan | None:
     ranks = cfg.rlmesh.learner.ranks if learner_on_gpu else 0
     placed: list[Placed] = []
     if replicas:
-        split = split_gpus(
+        have = gpus - reference_gpus
+        if learner_on_gpu and ranks + replicas * tp > have and ranks <= have and replicas * tp <= have:
+            # The learner's GPUs are also the replicas' (the split the loader makes where a node is
+            # too small to give each its own): NCCL refuses two ranks of one group on one GPU.
+            if cfg.rlmesh.weight_sync.backend != "gloo":
+                raise PlacementError(
+                    f"{ranks} learner rank(s) and {replicas} replica(s) x tensor_model_parallel_size={tp} share "
+                    f"trainer.n_gpus_per_node={gpus}: set rlmesh.weight_sync.backend=gloo (NCCL refuses two "
+                    "ranks of one group on one GPU), or fewer ranks and replicas"
+                )
+            placed = [Placed("learner", tuple(range(ranks)))]
+            placed += [Placed(f"rollout-{i}", tuple(range(i * tp, (i + 1) * tp))) for i in range(replicas)]
+            if reference:
+                placed.append(Placed("reference", (have,) if reference_gpus else (0,)))
+            return GpuPlan(gpus, tuple(placed), shared=True)
+        split_gpus(  # raises, naming the numbers, when they do not fit
             gpus,
             tp=tp,
             learner_on_gpu=learner_on_gpu,
@@ -168,11 +193,6 @@ def plan_gpus(cfg: RLMeshConfig) -> GpuPlan | None:
             replicas=replicas,
             reference_gpus=reference_gpus,
         )
-        if split.shared:
-            placed = [Placed("learner", (0,)), Placed("rollout-0", (0,))]
-            if reference:
-                placed.append(Placed("reference", (0,)))
-            return GpuPlan(gpus, tuple(placed), shared=True)
     elif ranks + reference_gpus > gpus:
         raise PlacementError(
             f"trainer.n_gpus_per_node={gpus} does not fit {ranks} learner rank(s)"

@@ -31,6 +31,7 @@ def plan_for(gpus: int, tp: int, *extra: str):
     [
         (1, 1, {"learner": (0,), "rollout-0": (0,), "reference": (0,)}),
         (2, 1, {"learner": (0,), "rollout-0": (1,), "reference": (0,)}),
+        (2, 2, {"learner": (0, 1), "rollout-0": (0, 1), "reference": (0,)}),  # verl's run_gemma.sh
         (4, 1, {"learner": (0, 1), "rollout-0": (2,), "rollout-1": (3,), "reference": (0,)}),
         (4, 2, {"learner": (0, 1), "rollout-0": (2, 3), "reference": (0,)}),
         (
@@ -56,16 +57,21 @@ def test_every_gpu_of_the_node_goes_to_one_process_of_its_own(gpus, tp, placed):
     assert cfg.rlmesh.weight_sync.backend == ("gloo" if plan.shared else "auto")
 
 
-@pytest.mark.parametrize(("gpus", "tp"), [(1, 2), (2, 2)])
-def test_a_replica_wider_than_what_the_learner_leaves_is_refused_with_the_numbers(gpus, tp):
+def test_a_replica_wider_than_the_node_is_refused_with_the_numbers():
     with pytest.raises(ConfigError) as refused:
-        plan_for(gpus, tp)
-    message = str(refused.value)
+        plan_for(1, 2)
     assert (
-        f"trainer.n_gpus_per_node={gpus} does not fit 1 learner rank(s) + 1 rollout replica(s) x " in message
+        "a rollout replica of tensor_model_parallel_size=2 needs 2 GPUs; trainer.n_gpus_per_node=1 has 1"
+        in str(refused.value)
     )
-    assert f"tensor_model_parallel_size={tp} = {1 + tp} GPUs" in message
-    assert f"ranks + replicas x tp <= {gpus}" in message
+
+
+def test_ranks_and_replicas_the_config_sets_must_fit_and_are_refused_with_the_numbers():
+    with pytest.raises(ConfigError) as refused:
+        plan_for(4, 2, "rlmesh.learner.ranks=2", "rlmesh.rollout.replicas=2")
+    message = str(refused.value)
+    assert "trainer.n_gpus_per_node=4 does not fit 2 learner rank(s) + 2 rollout replica(s) x " in message
+    assert "tensor_model_parallel_size=2 = 6 GPUs" in message and "ranks + replicas x tp <= 4" in message
 
 
 def test_ranks_and_replicas_the_config_sets_are_kept_and_checked():

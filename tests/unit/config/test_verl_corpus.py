@@ -94,3 +94,18 @@ def test_verls_generated_config_loads(path: Path) -> None:
     cfg, _ = _load(str(path), [])
     # verl marks the engine required ('???'); rlmesh picks the one this machine runs
     assert cfg.actor_rollout_ref.rollout.name == "embedded"
+
+
+@pytest.mark.parametrize("line", LINES, ids=[f"{x['ref']}:{x['source']}" for x in LINES])
+def test_example_line_validates_and_is_placed_on_a_gpu_machine(line: dict[str, Any], monkeypatch) -> None:
+    """Where verl's vllm is SGLang (a GPU machine: what this one lacks is faked, nothing else), every
+    line still loads and its trainer.n_gpus_per_node gives a plan: ranks and replicas on its GPUs."""
+    from rlmesh.config import verl_map
+    from rlmesh.config.placement import plan_gpus
+
+    monkeypatch.setattr(verl_map, "gpu_present", lambda: True)
+    cfg, _ = _load(None, line["args"])
+    assert cfg.actor_rollout_ref.rollout.name == "sglang"
+    plan = plan_gpus(cfg)
+    assert plan is not None and {p.name for p in plan.placed} >= {"learner", "rollout-0"}
+    assert max(g for p in plan.placed for g in p.gpus) < cfg.trainer.n_gpus_per_node
