@@ -21,7 +21,7 @@ from rlmesh.config.base import ConfigWarning
 from rlmesh.config.errors import ConfigError, format_validation_error
 from rlmesh.config.ignored import ignored_given, ignored_message
 from rlmesh.config.keys import config_keys
-from rlmesh.config.placement import PlacementError, split_gpus
+from rlmesh.config.placement import PlacementError, reference_on_gpu, split_gpus
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
 from rlmesh.config.verl_map import ENGINE_KEY, drop_legacy_nulls, map_verl_keys, mapped_message
@@ -290,11 +290,6 @@ def _split_gpus(data: dict[str, Any], given: set[str], problems: list[str]) -> N
     if not isinstance(tp, int) or tp < 1 or not isinstance(reference_gpus, int):
         return  # reported by validation
     ref = rlmesh.get("reference") or {}
-    reference_on_gpu = (
-        not ref.get("colocated")
-        and not ref.get("addresses")
-        and str(ref.get("device") or "cuda").startswith("cuda")
-    )
     try:
         split = split_gpus(
             gpus,
@@ -303,7 +298,9 @@ def _split_gpus(data: dict[str, Any], given: set[str], problems: list[str]) -> N
             rollout_on_gpu=rollout.get("name") == "sglang",
             ranks=_get_int(rlmesh, "learner", "ranks") if "rlmesh.learner.ranks" in given else None,
             replicas=_get_int(rlmesh, "rollout", "replicas") if "rlmesh.rollout.replicas" in given else None,
-            reference_gpus=reference_gpus if reference_on_gpu else 0,
+            reference_gpus=reference_gpus
+            if reference_on_gpu(bool(ref.get("colocated")), ref.get("addresses"), ref.get("device"))
+            else 0,
         )
     except PlacementError as e:
         problems.append(str(e))

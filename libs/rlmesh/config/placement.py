@@ -147,10 +147,10 @@ def check_fits_machine(plan: GpuPlan, available: int) -> None:
         )
 
 
-def reference_on_gpu(cfg: RLMeshConfig) -> bool:
-    """A reference service this job starts, on CUDA."""
-    ref = cfg.rlmesh.reference
-    return not ref.colocated and not ref.addresses and (ref.device or "cuda").startswith("cuda")
+def reference_on_gpu(colocated: bool, addresses: object, device: str | None) -> bool:
+    """A reference service this job starts (not colocated, none given), on CUDA (``device`` null:
+    CUDA where there is one)."""
+    return not colocated and not addresses and str(device or "cuda").startswith("cuda")
 
 
 def plan_gpus(cfg: RLMeshConfig) -> GpuPlan | None:
@@ -162,7 +162,8 @@ def plan_gpus(cfg: RLMeshConfig) -> GpuPlan | None:
     gpus, tp = cfg.trainer.n_gpus_per_node, rollout.tensor_model_parallel_size
     learner_on_gpu = cfg.trainer.device == "cuda"
     replicas = cfg.rlmesh.rollout.replicas if rollout.name == "sglang" else 0
-    reference = reference_on_gpu(cfg)
+    ref = cfg.rlmesh.reference
+    reference = reference_on_gpu(ref.colocated, ref.addresses, ref.device)
     reference_gpus = cfg.rlmesh.placement.reference_gpus if reference else 0
     if not (learner_on_gpu or replicas or reference) or gpus < 1:
         return None

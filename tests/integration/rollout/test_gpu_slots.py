@@ -1,34 +1,12 @@
 """Replicas that share a GPU pool (compose's --scale) each claim their own slot of tp GPUs, by UUID,
 under a lease in a real Redis. The UUIDs stand for GPUs this machine does not have."""
 
-import uuid
-
 import pytest
 
-from rlmesh.queue import RunKeys, connect
 from rlmesh.rollout.engines import engine_env
 from rlmesh.rollout.gpu_slots import NoFreeGpusError, claim_gpus, gpu_slots, parse_gpu_uuids
-from rlmesh.runtime.launcher import ProcessLauncher
 
 POOL = [f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}" for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    with ProcessLauncher(tmp_path_factory.mktemp("redis"), stop_grace_s=10) as launcher:
-        yield launcher.start_redis()
-
-
-@pytest.fixture
-async def redis(redis_server):
-    client = connect(redis_server.url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-def keys():
-    return RunKeys(f"test-{uuid.uuid4().hex[:8]}")
 
 
 def test_nvidia_smi_lists_uuids_in_order():

@@ -1,3 +1,5 @@
+"""A private redis-server for the tests of a module, a client of it, and a fresh run's keys."""
+
 import uuid
 
 import pytest
