@@ -380,6 +380,37 @@ class SamplerConfig(Section):
     )
 
 
+class SecurityConfig(Section):
+    """Who may reach a service, and from where. docs/security.md"""
+
+    allow_open_bind: bool = Field(
+        False,
+        description="let a service bind beyond loopback with no rlmesh.auth_token (anyone who reaches "
+        "it can then call it); false = such a service refuses to start",
+    )
+    grpc_reflection: bool = Field(
+        False,
+        description="serve gRPC server reflection (behind the token, like every method but Health/Check)",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header values the HTTP services (engine, control plane) accept besides "
+        "loopback names and their own bind and advertised hosts; ['*'] = any (refuses DNS "
+        "rebinding when not '*')",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="browser origins (scheme://host[:port]) besides the service's own that may send "
+        "requests other than GET/HEAD/OPTIONS to the HTTP services",
+    )
+    http_max_concurrency: int = Field(
+        256, ge=1, description="HTTP requests an engine or control plane serves at once; more get a 503"
+    )
+    http_keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="an idle HTTP keep-alive connection is closed after this long"
+    )
+
+
 class RlmeshSection(Section):
     """rlmesh's own keys."""
 
@@ -422,6 +453,9 @@ class RlmeshSection(Section):
     queue: QueueConfig = Field(default_factory=QueueConfig, description="Redis streams")
     sampler: SamplerConfig = Field(
         default_factory=SamplerConfig, description="rollout replicas' sampler loop"
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig, description="who may reach a service (docs/security.md)"
     )
 
     @field_validator("redis_url")

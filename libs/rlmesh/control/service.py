@@ -22,7 +22,7 @@ from rlmesh.control.metrics import ControlMetrics
 from rlmesh.runtime.entry import service_arg_parser
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.metrics import MetricsHttpServer
-from rlmesh.runtime.net import advertised_address, warn_if_open
+from rlmesh.runtime.net import OpenBindError, advertised_address, check_open_bind
 
 log = logging.getLogger("rlmesh.control")
 
@@ -64,7 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token  # never argv: docs/design.md#tokens
     section = cfg.rlmesh.control
     configure_logging("control", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
-    warn_if_open(section.host, "the control plane (rlmesh.control.host)", cfg.rlmesh.auth_token)
+    try:
+        check_open_bind(
+            section.host,
+            "the control plane (rlmesh.control.host)",
+            cfg.rlmesh.auth_token,
+            cfg.rlmesh.security.allow_open_bind,
+        )
+    except OpenBindError as e:
+        print(f"rlmesh control: {e}", file=sys.stderr)
+        return 2
     family = socket.AF_INET6 if ":" in section.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

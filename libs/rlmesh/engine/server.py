@@ -18,7 +18,7 @@ from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
 from rlmesh.runtime.entry import limit_torch_threads
 from rlmesh.runtime.logs import configure_logging
-from rlmesh.runtime.net import warn_if_open
+from rlmesh.runtime.net import OpenBindError, check_open_bind
 
 __all__ = ["create_app", "main"]
 
@@ -29,6 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-path", required=True, help="HF model directory (AutoModelForCausalLM)")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind; beyond loopback, set RLMESH_AUTH_TOKEN"
+    )
+    parser.add_argument(
+        "--allow-open-bind",
+        action="store_true",
+        help="bind beyond loopback without RLMESH_AUTH_TOKEN on purpose (rlmesh.security.allow_open_bind)",
     )
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -49,6 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging("engine", os.environ.get("RLMESH_RUN_ID"), fmt=args.log_format)
     torch.manual_seed(args.seed)
+    token = os.environ.get(ENV_AUTH_TOKEN) or None
+    try:
+        check_open_bind(args.host, "the engine (--host)", token, args.allow_open_bind)
+    except OpenBindError as e:
+        print(f"rlmesh engine: {e}", file=sys.stderr)
+        return 2
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections accepted from a socket that
     # names it. Without it Nagle holds each response's body until the client ACKs the headers,
     # which a delayed ACK makes ~40 ms per request.
@@ -56,8 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host.strip("[]"), args.port))
-    token = os.environ.get(ENV_AUTH_TOKEN) or None
-    warn_if_open(args.host, "the engine (--host)", token)
     port = {"port": sock.getsockname()[1]}
     app = create_app(
         args.model_path,

@@ -16,7 +16,7 @@ from typing import Any
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
-from rlmesh.runtime.net import bracket, dial_host, free_port, warn_if_open
+from rlmesh.runtime.net import bracket, check_open_bind, dial_host, free_port
 
 log = logging.getLogger("rlmesh.rollout")
 
@@ -182,6 +182,7 @@ async def start_engine(
     token: str | None = None,
     override_config: dict[str, Any] | None = None,
     gpus: list[str] | None = None,
+    allow_open_bind: bool = False,
 ) -> RunningEngine:
     """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
     handed over in the child's environment, never its argv; the client sends it, also to an engine
@@ -189,9 +190,13 @@ async def start_engine(
 
     ``host``: the address an engine it starts binds (the replica's; a wildcard binds every
     interface); it reaches that engine on loopback then. ``override_config``: the embedded engine's
-    model config overrides (an SGLang server takes them in ``extra_args``, sglang_rollout_args)."""
+    model config overrides (an SGLang server takes them in ``extra_args``, sglang_rollout_args).
+    An engine it starts beyond loopback with no token is refused (``OpenBindError``) unless
+    ``allow_open_bind`` (rlmesh.security.allow_open_bind)."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
+    if not attach_urls:
+        check_open_bind(host, f"the engine of {name} (rlmesh.rollout.host)", token, allow_open_bind)
     env = engine_env(token, gpus)
     if kind == "embedded":
         if not Path(model_path).exists():
@@ -205,6 +210,7 @@ async def start_engine(
             extra_args=[
                 "--max-batch-size",
                 str(max_batch_size),
+                *(["--allow-open-bind"] if allow_open_bind else []),
                 *(["--json-model-override-args", json.dumps(override_config)] if override_config else []),
             ],
             env=env,
@@ -230,7 +236,6 @@ async def start_engine(
             device=engine_device_of("sglang", info),
         )
     port = port or free_port(host)
-    warn_if_open(host, f"SGLang server {name}-sglang", token)
     argv = sglang_launch_argv(
         model_path,
         port,

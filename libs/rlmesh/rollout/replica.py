@@ -106,6 +106,7 @@ async def start_replica_engine(
         token=cfg.rlmesh.auth_token or "",
         override_config=model.override_config,
         gpus=gpus,
+        allow_open_bind=cfg.rlmesh.security.allow_open_bind,
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from rlmesh.config import ENV_AUTH_TOKEN, ConfigError, RLMeshConfig, load_config
 from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.logs import configure_logging
-from rlmesh.runtime.net import advertised_address, warn_if_open
+from rlmesh.runtime.net import OpenBindError, advertised_address, check_open_bind
 from rlmesh.runtime.server import GrpcService
 
 BuildService = Callable[[GrpcService, RLMeshConfig], Awaitable[None]]
@@ -79,7 +79,16 @@ def service_main(
     except ValueError as e:
         print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    warn_if_open(section.host, f"the {name} service (rlmesh.{name}.host)", cfg.rlmesh.auth_token)
+    try:
+        check_open_bind(
+            section.host,
+            f"the {name} service (rlmesh.{name}.host)",
+            cfg.rlmesh.auth_token,
+            cfg.rlmesh.security.allow_open_bind,
+        )
+    except OpenBindError as e:
+        print(f"rlmesh {name}: {e}", file=sys.stderr)
+        return 2
 
     async def run() -> int:
         service = GrpcService(

@@ -167,15 +167,28 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def warn_if_open(bind_host: str, what: str, token: str | None) -> bool:
-    """Logs a warning when ``what`` binds beyond loopback with no auth token; True if it did."""
+class OpenBindError(RuntimeError):
+    """A service would listen beyond loopback with no token, and nothing allowed it."""
+
+
+def check_open_bind(bind_host: str, what: str, token: str | None, allow_open: bool = False) -> bool:
+    """Refuses (``OpenBindError``) to let ``what`` bind beyond loopback with no auth token unless
+    ``allow_open`` (``rlmesh.security.allow_open_bind``), which logs a warning instead; True when
+    it binds open."""
     if is_loopback(bind_host) or token:
         return False
+    where = bind_host or "0.0.0.0"
+    if not allow_open:
+        raise OpenBindError(
+            f"{what} binds {where}, reachable from other hosts, and no rlmesh.auth_token is set: "
+            "set rlmesh.auth_token (or env RLMESH_AUTH_TOKEN), bind 127.0.0.1, or set "
+            "rlmesh.security.allow_open_bind=true to run it open on purpose"
+        )
     log.warning(
-        "%s binds %s, reachable from other hosts, without rlmesh.auth_token: anyone who can reach it "
-        "can call it (set rlmesh.auth_token or env RLMESH_AUTH_TOKEN)",
+        "%s binds %s without rlmesh.auth_token (rlmesh.security.allow_open_bind=true): anyone who "
+        "can reach it can call it",
         what,
-        bind_host or "0.0.0.0",
+        where,
     )
     return True
 

@@ -14,7 +14,8 @@ from rlmesh.runtime.net import (
     advertised_host,
     is_loopback,
     routable_host,
-    warn_if_open,
+    OpenBindError,
+    check_open_bind,
 )
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -103,14 +104,18 @@ def test_a_launcher_dials_what_a_wildcard_bound_service_advertises():
     )
 
 
-def test_binding_beyond_loopback_without_a_token_warns(caplog):
+def test_binding_beyond_loopback_without_a_token_is_refused_unless_allowed(caplog):
+    with pytest.raises(OpenBindError, match=r"the reward service binds 0\.0\.0\.0.*allow_open_bind=true"):
+        check_open_bind("0.0.0.0", "the reward service", None)
+    with pytest.raises(OpenBindError, match="binds 10.0.0.7"):
+        check_open_bind("10.0.0.7", "the reward service", "")
+    assert not check_open_bind("0.0.0.0", "the reward service", "s3cret")
+    assert not check_open_bind("127.0.0.1", "the reward service", None)
+    assert not check_open_bind("::1", "the reward service", None)
     with caplog.at_level(logging.WARNING, logger="rlmesh.runtime"):
-        assert warn_if_open("0.0.0.0", "the reward service", None)
-        assert not warn_if_open("0.0.0.0", "the reward service", "s3cret")
-        assert not warn_if_open("127.0.0.1", "the reward service", None)
-        assert not warn_if_open("::1", "the reward service", None)
+        assert check_open_bind("0.0.0.0", "the reward service", None, allow_open=True)
     assert [r.getMessage() for r in caplog.records if "without rlmesh.auth_token" in r.getMessage()] == [
-        "the reward service binds 0.0.0.0, reachable from other hosts, without rlmesh.auth_token: anyone "
-        "who can reach it can call it (set rlmesh.auth_token or env RLMESH_AUTH_TOKEN)"
+        "the reward service binds 0.0.0.0 without rlmesh.auth_token (rlmesh.security.allow_open_bind=true): "
+        "anyone who can reach it can call it"
     ]
     assert is_loopback("localhost") and not is_loopback("0.0.0.0")
