@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -106,6 +106,13 @@ gpu-smoke: venv
 ray-test: venv redis-server
 	$(BIN)/python -m pip install -q -c constraints.txt 'ray[default]>=2.30'
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m ray tests/e2e/test_ray.py
+
+# The compose stack's two secrets (docs/security.md) in .env, which docker-compose reads, mode 0600;
+# an existing .env is kept.
+compose-env:
+	@if [ -f .env ]; then echo ".env exists: kept"; else \
+		umask 077 && python3 -c 'import secrets; print("RLMESH_AUTH_TOKEN=" + secrets.token_hex(32)); print("RLMESH_REDIS_PASSWORD=" + secrets.token_hex(32))' > .env \
+		&& echo "wrote .env (mode 0600): RLMESH_AUTH_TOKEN and RLMESH_REDIS_PASSWORD"; fi
 
 # docker-compose.yml for real (about 15 minutes; the first image build more): builds the images
 # (a Debian base made with debootstrap when no registry is reachable), runs --scale rollout=3,

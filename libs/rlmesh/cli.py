@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import warnings
@@ -37,11 +38,34 @@ def cmd_up(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_redis(args: argparse.Namespace, rest: list[str]) -> int:
+    import secrets
+
+    from rlmesh.config.loader import ENV_REDIS_PASSWORD
+    from rlmesh.config.secrets import redact_url
     from rlmesh.runtime.launcher import ProcessLauncher
 
+    given = os.environ.get(ENV_REDIS_PASSWORD)
+    password = given or secrets.token_urlsafe(24)
     with ProcessLauncher(args.dir) as launcher:
-        redis = launcher.start_redis(port=args.port, appendonly=not args.no_aof)
-        print(f"redis ready at {redis.url} (data in {redis.data_dir}); Ctrl-C stops it", flush=True)
+        redis = launcher.start_redis(
+            port=args.port,
+            host=args.host,
+            appendonly=not args.no_aof,
+            password=password,
+            maxmemory=args.maxmemory,
+        )
+        where = f"env {ENV_REDIS_PASSWORD}"
+        if not given:
+            # Not printed: a terminal's scroll-back and CI logs keep what is printed.
+            path = redis.data_dir / "password"
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(password + "\n")
+            where = f"{path} (mode 0600); export {ENV_REDIS_PASSWORD}=$(cat {path}) for rlmesh to use it"
+        print(
+            f"redis ready at {redact_url(redis.url)} (data in {redis.data_dir}; password: {where}); "
+            "Ctrl-C stops it",
+            flush=True,
+        )
         while True:
             signal.pause()  # Ctrl-C or SIGTERM unwinds through the with-block, which stops redis
 
@@ -156,8 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where logs and Redis data go (default: runs/<run id>)")
     p.set_defaults(func=cmd_up, passthrough=True)
 
-    p = sub.add_parser("redis", help="run a private redis-server on a free port until Ctrl-C")
+    p = sub.add_parser(
+        "redis",
+        help="run a private redis-server with a password (env RLMESH_REDIS_PASSWORD, else generated) "
+        "on a free port until Ctrl-C",
+    )
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument(
+        "--maxmemory",
+        default="0",
+        help="Redis maxmemory (e.g. 2gb; 0 = no limit); past it writes fail, no stream entry is evicted",
+    )
     p.add_argument("--dir", default=None, help="data directory (default: temporary)")
     p.add_argument("--no-aof", action="store_true", help="turn the append-only file off")
     p.set_defaults(func=cmd_redis, passthrough=False)

@@ -1,9 +1,9 @@
 """``docker-compose up --scale rollout=3`` trains a whole job for real (``make compose-test``):
-images built from deploy/, Redis with its AOF on a volume, reward, reference, three replicas, the
-learner, Prometheus finding the replicas by DNS, a token on every call. A fourth replica added
-mid-run joins and takes work, a first one stopped mid-run is not missed; the run ends, every live
-replica holds the last policy, every step trained exactly its planned prompts, nothing is left
-pending or dead-lettered, and the exported actor is on the volume."""
+images built from deploy/, Redis with its AOF on a volume and a password, reward, reference, three
+replicas, the learner, Prometheus finding the replicas by DNS, a token on every call. A fourth
+replica added mid-run joins and takes work, a first one stopped mid-run is not missed; the run
+ends, every live replica holds the last policy, every step trained exactly its planned prompts,
+nothing is left pending or dead-lettered, and the exported actor is on the volume."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
             # No wheel index beyond PyPI: torch comes from the local wheel fill_build_extra copies.
             "RLMESH_TORCH_INDEX_URL": "",
             "RLMESH_AUTH_TOKEN": secrets.token_hex(16),
+            "RLMESH_REDIS_PASSWORD": secrets.token_hex(16),
             "PROMETHEUS_PORT": str(free_port()),
             "STEPS": str(STEPS),
             "TEST_FREQ": "20",
@@ -261,7 +262,16 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
 
     # Every live replica got every push: each holds the run's last policy version.
     (redis_container,) = compose.containers("redis")
-    r = redis.Redis(host=container_ip(redis_container), port=6379, decode_responses=True)
+    redis_host = container_ip(redis_container)
+    with pytest.raises(redis.AuthenticationError):  # the default user is off
+        redis.Redis(host=redis_host, port=6379).get("x")
+    r = redis.Redis(
+        host=redis_host,
+        port=6379,
+        username="rlmesh",
+        password=compose.env["RLMESH_REDIS_PASSWORD"],
+        decode_responses=True,
+    )
     keys = RunKeys("compose")
     version = int(r.hget(keys.scoped("policy"), "version"))
     assert version >= STEPS

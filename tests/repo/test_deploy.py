@@ -33,8 +33,24 @@ def test_every_served_service_is_a_valid_rlmesh_serve():
         config = command[command.index("-c") + 1]
         assert (REPO / config).exists()
         cfg = load_config(REPO / config, command[command.index("-c") + 2 :])
-        assert cfg.rlmesh.run_id == "compose" and cfg.rlmesh.redis_url == "redis://redis:6379/0"
+        assert cfg.rlmesh.run_id == "compose" and cfg.rlmesh.redis_url == "redis://rlmesh@redis:6379/0"
         assert getattr(cfg.rlmesh, name).host == "0.0.0.0"
+
+
+def test_the_stack_refuses_to_start_without_its_two_secrets():
+    """``${VAR:?message}``: docker-compose itself refuses to start with the variable unset or empty."""
+    required = re.compile(r"^\$\{(RLMESH_AUTH_TOKEN|RLMESH_REDIS_PASSWORD):\?[^}]+\}$")
+    for name, svc in rlmesh_services().items():
+        env = svc["environment"]
+        for var in ("RLMESH_AUTH_TOKEN", "RLMESH_REDIS_PASSWORD"):
+            assert required.match(env[var]) and var in env[var], (name, var, env.get(var))
+    redis = COMPOSE["services"]["redis"]["environment"]
+    assert required.match(redis["RLMESH_REDIS_PASSWORD"])
+    # Only the Redis URL's user is in argv: the password reaches the services in their environment.
+    for name in SERVED:
+        command = " ".join(rlmesh_services()[name]["command"])
+        assert "redis://rlmesh@redis:6379/0" in command and ":@" not in command
+    assert "/.env" in (REPO / ".gitignore").read_text().split()
 
 
 def test_the_one_shot_services_prepare_what_the_others_read():
@@ -86,7 +102,7 @@ def test_the_gpu_recipe_compose_override_names_valid_configs():
     for name in SERVED:
         command = [expand(a) for a in services[name]["command"]]
         cfg = load_config(REPO / command[command.index("-c") + 1], command[command.index("-c") + 2 :])
-        assert cfg.rlmesh.redis_url == "redis://redis:6379/0" and getattr(cfg.rlmesh, name).host == "0.0.0.0"
+        assert cfg.rlmesh.redis_url == "redis://rlmesh@redis:6379/0" and getattr(cfg.rlmesh, name).host == "0.0.0.0"
         assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.rlmesh.run_id == "gsm8k"
     assert services["prepare"]["build"]["args"]["EXTRAS"] == "gpu"
 

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -27,6 +28,7 @@ from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
 from rlmesh.config.verl_map import ENGINE_KEY, drop_legacy_nulls, map_verl_keys, mapped_message
 
 ENV_AUTH_TOKEN = "RLMESH_AUTH_TOKEN"
+ENV_REDIS_PASSWORD = "RLMESH_REDIS_PASSWORD"
 
 
 @functools.cache
@@ -152,6 +154,28 @@ def _apply_env_token(data: dict[str, Any]) -> None:
         section["auth_token"] = token
 
 
+def with_redis_password(url: str, password: str) -> str:
+    """``url`` with ``password`` (%-encoded) in its user part, kept where ``url`` already has one."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix" or parts.password is not None or not parts.hostname:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _apply_env_redis_password(data: dict[str, Any]) -> None:
+    # As for the token: compose and `rlmesh redis` users hand the password over in the environment,
+    # where a URL in argv would show it to every user of the machine.
+    password = os.environ.get(ENV_REDIS_PASSWORD)
+    section = data.get("rlmesh")
+    if not password or not isinstance(section, dict):
+        return
+    url = section.get("redis_url")  # the defaults tree has it, given or not
+    if isinstance(url, str):
+        section["redis_url"] = with_redis_password(url, password)
+
+
 def config_from_dict(data: Mapping[str, Any]) -> RLMeshConfig:
     """Validate already-resolved plain data; raises ConfigError listing every problem."""
     try:
@@ -227,8 +251,8 @@ def load_config(
     keys the file and overrides set that rlmesh ignores; ``warn=False``: silently.
 
     Raises ConfigError with every problem found (file, overrides, unknown keys, bad values,
-    cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set;
-    env RLMESH_SECRET_OVERRIDES (a launcher's secrets for its child) adds overrides after the rest.
+    cross-field rules). `rlmesh.auth_token: null` takes env RLMESH_AUTH_TOKEN when that is set,
+    a `rlmesh.redis_url` without a password env RLMESH_REDIS_PASSWORD's; env RLMESH_SECRET_OVERRIDES (a launcher's secrets for its child) adds overrides after the rest.
     """
     problems: list[str] = []
     layers = _read_layers(config_path, overrides, problems)
@@ -244,6 +268,7 @@ def load_config(
         except OmegaConfBaseException as e:  # e.g. a key OmegaConf cannot hold
             raise ConfigError([*problems, f"cannot build the config: {e}"]) from None
     _apply_env_token(data)
+    _apply_env_redis_password(data)
     given = _paths(layers)
     mapped = map_verl_keys(data, given, problems)
     _split_gpus(data, given, problems)

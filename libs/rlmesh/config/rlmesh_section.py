@@ -348,6 +348,11 @@ class QueueConfig(Section):
     heartbeat_ttl_s: float = Field(
         15.0, gt=0, description="a replica missing heartbeats this long is dropped, seconds"
     )
+    finished_run_ttl_s: int = Field(
+        7 * 24 * 3600,
+        ge=0,
+        description="a run's Redis keys expire this long after it finished (its checkpoints stay); 0 = never",
+    )
 
 
 class SamplerConfig(Section):

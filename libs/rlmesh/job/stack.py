@@ -3,6 +3,7 @@ which is ``rlmesh up``. docs/train.md#rlmesh-up"""
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 import uuid
@@ -152,7 +153,7 @@ class Stack:
         assert self.launcher is not None, "restart needs the launcher start_stack was given"
         if name == "redis":
             assert self.redis is not None
-            self.redis = self.launcher.start_redis(port=self.redis.port)
+            self.redis = self.launcher.start_redis(port=self.redis.port, password=self.redis.password)
             return self.redis.process
         service, extra, timeout_s = self.specs[name]
         old = self.get(name)
@@ -217,9 +218,11 @@ def start_stack(
         redis, redis_url = None, cfg.rlmesh.redis_url
         say(f"{'redis':<12} {redact_url(redis_url)} (given: not started here)")
     else:
-        redis = launcher.start_redis()
+        # A password even on loopback: another user of this machine reaches loopback too. It goes to
+        # the children as a secret override (rlmesh.config.secrets), never their argv.
+        redis = launcher.start_redis(password=secrets.token_urlsafe(24))
         redis_url = redis.url
-        say(f"{'redis':<12} {redis_url} (pid {redis.process.pid})")
+        say(f"{'redis':<12} {redact_url(redis_url)} (pid {redis.process.pid})")
     stack = Stack(
         redis_url=redis_url,
         redis=redis,
@@ -381,8 +384,11 @@ def run_stack(
         started = stack.started
         if stack.redis is not None:
             redis = stack.redis
-            pong = "PONG" if redis_ping(redis.host, redis.port) else "no answer"
-            print(f"[rlmesh up] redis     pid {redis.process.pid:<7} {redis.url}  PING: {pong}", flush=True)
+            pong = "PONG" if redis_ping(redis.host, redis.port, password=redis.password) else "no answer"
+            print(
+                f"[rlmesh up] redis     pid {redis.process.pid:<7} {redact_url(redis.url)}  PING: {pong}",
+                flush=True,
+            )
         for instance in started:
             report = probe(instance, token)
             print(

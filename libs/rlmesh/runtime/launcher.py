@@ -300,13 +300,15 @@ class ProcessLauncher:
         acl_users: Sequence[str] = (),
         tls: RedisTLS | None = None,
         host: str = "127.0.0.1",
+        maxmemory: str = "0",
     ) -> RedisInstance:
         """A private redis-server on a free port of ``host`` (loopback by default) with its own data
         dir (AOF on by default).
 
         ``password``: its requirepass; ``acl_users``: ACL rules, one user each (``"alice on >pw ~*
         +@all"``); both go in a config file only its owner can read, never in its argv. ``tls``:
-        it serves TLS only, on ``port``."""
+        it serves TLS only, on ``port``. ``maxmemory`` (``2gb``; ``0`` = none): past it writes fail
+        (``noeviction``), as nothing in a run's streams may be dropped to make room."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise LaunchError(
@@ -353,6 +355,12 @@ class ProcessLauncher:
             "",
             "--appendonly",
             "yes" if appendonly else "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
             "--daemonize",
             "no",
             "--logfile",

@@ -1,9 +1,11 @@
 """The `rlmesh` command as a user runs it."""
 
 import re
+import signal
 import subprocess
 import sys
 
+from rlmesh.runtime.health import redis_ping
 from tests.support.processes import child_env, pid_alive
 from tests.support.repo import REPO
 
@@ -79,3 +81,35 @@ def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
     learner_log = (logs / "learner.log").read_text()
     tail = learner_log[-2000:]
     assert "training failed" not in learner_log and "[learner] step 1:" not in learner_log, tail
+
+
+def test_redis_runs_with_a_password_it_never_prints(tmp_path):
+    """`rlmesh redis`: a generated password in a 0600 file, the URL it prints masked; with env
+    RLMESH_REDIS_PASSWORD that one."""
+    env = {k: v for k, v in child_env().items() if k != "RLMESH_REDIS_PASSWORD"}
+    for given in (None, "given-pw"):
+        workdir = tmp_path / ("from-env" if given else "generated")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh.cli", "redis", "--dir", str(workdir), "--no-aof"],
+            env=env | ({"RLMESH_REDIS_PASSWORD": given} if given else {}),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = proc.stdout.readline()
+            url = re.search(r"redis ready at (\S+)", line).group(1)
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+            assert url == f"redis://:***@127.0.0.1:{port}/0", line
+            if given is None:
+                path = workdir / "redis" / "password"
+                assert path.stat().st_mode & 0o077 == 0
+                password = path.read_text().strip()
+            else:
+                password = given
+                assert not (workdir / "redis" / "password").exists()
+            assert password not in line
+            assert not redis_ping("127.0.0.1", port)
+            assert redis_ping("127.0.0.1", port, password=password)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) is not None
