@@ -24,7 +24,7 @@ from rlmesh.config.ignored import ignored_given, ignored_message
 from rlmesh.config.keys import config_keys
 from rlmesh.config.placement import PlacementError, reference_on_gpu, split_gpus
 from rlmesh.config.schema import RLMeshConfig
-from rlmesh.config.secrets import redact_argv, secret_overrides_from_env
+from rlmesh.config.secrets import public_config, redact_argv, secret_overrides_from_env
 from rlmesh.config.verl_map import ENGINE_KEY, drop_legacy_nulls, map_verl_keys, mapped_message
 
 ENV_AUTH_TOKEN = "RLMESH_AUTH_TOKEN"
@@ -176,6 +176,24 @@ def _apply_env_redis_password(data: dict[str, Any]) -> None:
         section["redis_url"] = with_redis_password(url, password)
 
 
+ENV_TLS_CERT = "RLMESH_TLS_CERT_FILE"
+ENV_TLS_KEY = "RLMESH_TLS_KEY_FILE"
+ENV_TLS_CA = "RLMESH_TLS_CA_FILE"
+ENV_TLS_VERIFY_CLIENTS = "RLMESH_TLS_VERIFY_CLIENTS"
+_TLS_ENV = {"cert_file": ENV_TLS_CERT, "key_file": ENV_TLS_KEY, "ca_file": ENV_TLS_CA}
+
+
+def _apply_env_tls(data: dict[str, Any]) -> None:
+    # A service exports its TLS files there for its clients and children (runtime/tls.py).
+    tls = data.get("rlmesh", {}).get("security", {}).get("tls")
+    if not isinstance(tls, dict) or any(tls.get(k) for k in _TLS_ENV):
+        return
+    if all(os.environ.get(env) for env in _TLS_ENV.values()):
+        tls.update({k: os.environ[env] for k, env in _TLS_ENV.items()})
+        if not tls.get("verify_clients"):
+            tls["verify_clients"] = os.environ.get(ENV_TLS_VERIFY_CLIENTS, "") in ("1", "true", "yes")
+
+
 def config_from_dict(data: Mapping[str, Any]) -> RLMeshConfig:
     """Validate already-resolved plain data; raises ConfigError listing every problem."""
     try:
@@ -269,6 +287,7 @@ def load_config(
             raise ConfigError([*problems, f"cannot build the config: {e}"]) from None
     _apply_env_token(data)
     _apply_env_redis_password(data)
+    _apply_env_tls(data)
     given = _paths(layers)
     mapped = map_verl_keys(data, given, problems)
     _split_gpus(data, given, problems)
@@ -350,9 +369,20 @@ def _get_int(tree: dict[str, Any], section: str, key: str) -> int | None:
 def dump_yaml(cfg: RLMeshConfig) -> str:
     """The full resolved config as YAML; load_config(that file) gives an equal config.
 
-    It includes rlmesh.auth_token when one is set: treat the output as a secret then.
+    It includes rlmesh.auth_token when one is set: treat the output as a secret then
+    (:func:`dump_public_yaml` is the copy to show or store).
     """
-    data = cfg.model_dump(mode="json")
+    return _yaml_of(cfg.model_dump(mode="json"))
+
+
+def dump_public_yaml(cfg: RLMeshConfig) -> str:
+    """:func:`dump_yaml` of :func:`~rlmesh.config.secrets.public_config`: every secret ``***``, URL
+    passwords masked. What the learner publishes, ``/api/v1/run/config`` shows and a checkpoint's
+    ``config.yaml`` holds; it loads again (a masked token or password must then be given anew)."""
+    return _yaml_of(public_config(cfg))
+
+
+def _yaml_of(data: dict[str, Any]) -> str:
     # Ignored keys at their defaults are left out: a service that loads this file would otherwise
     # list every one of them as set-and-ignored.
     defaults = _defaults_tree()

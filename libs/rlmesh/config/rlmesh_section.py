@@ -385,6 +385,37 @@ class SamplerConfig(Section):
     )
 
 
+class TlsConfig(Section):
+    """Optional TLS on gRPC, the engines' HTTP and the control plane (docs/security.md#tls)."""
+
+    cert_file: str | None = Field(
+        None,
+        description="PEM certificate this process serves with and presents to its peers; null = env "
+        "RLMESH_TLS_CERT_FILE, else no TLS",
+    )
+    key_file: str | None = Field(None, description="its private key; null = env RLMESH_TLS_KEY_FILE")
+    ca_file: str | None = Field(
+        None, description="the CA every peer's certificate is checked against; null = env RLMESH_TLS_CA_FILE"
+    )
+    verify_clients: bool = Field(
+        False, description="mutual TLS: servers refuse a client without a certificate from ca_file"
+    )
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> TlsConfig:
+        given = [k for k in ("cert_file", "key_file", "ca_file") if getattr(self, k)]
+        if given and len(given) != 3:
+            missing = sorted({"cert_file", "key_file", "ca_file"} - set(given))
+            raise ValueError(f"TLS needs cert_file, key_file and ca_file together; missing {missing}")
+        if self.verify_clients and not given:
+            raise ValueError("verify_clients needs cert_file, key_file and ca_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
 class SecurityConfig(Section):
     """Who may reach a service, and from where. docs/security.md"""
 
@@ -414,6 +445,7 @@ class SecurityConfig(Section):
     http_keep_alive_timeout_s: float = Field(
         5.0, gt=0, description="an idle HTTP keep-alive connection is closed after this long"
     )
+    tls: TlsConfig = Field(default_factory=TlsConfig, description="optional TLS between processes")
 
 
 class RlmeshSection(Section):

@@ -11,6 +11,7 @@ import grpc
 from rlmesh.control.errors import ControlError, from_rpc_error
 from rlmesh.runtime.auth import bearer_metadata
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
+from rlmesh.runtime.tls import aio_channel
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
 T = TypeVar("T")
@@ -24,7 +25,7 @@ class LearnerLink:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(token)
-        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_GRPC_OPTIONS)
+        self._channel = aio_channel(address, options=CLIENT_GRPC_OPTIONS)
         self._stub = learner_pb2_grpc.LearnerStub(self._channel)
 
     async def _call(

@@ -61,12 +61,11 @@ def engine_server_info(rollout_address: str, token: str | None = None) -> dict[s
 
 def engine_url(rollout_address: str, token: str | None = None) -> str:
     """The URL of a rollout replica's engine, as its ``Rollout.GetInfo`` gives it."""
-    import grpc
-
     from rlmesh.runtime.auth import bearer_metadata
+    from rlmesh.runtime.tls import sync_channel
     from rlmesh.v1 import common_pb2, rollout_pb2_grpc
 
-    with grpc.insecure_channel(rollout_address) as channel:
+    with sync_channel(rollout_address) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         return stub.GetInfo(common_pb2.Empty(), timeout=10, metadata=bearer_metadata(token)).engine_url
 

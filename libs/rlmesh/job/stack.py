@@ -34,6 +34,7 @@ from rlmesh.runtime.launcher import (
     ServiceInstance,
     ServiceRequest,
 )
+from rlmesh.runtime.tls import export_tls, sync_channel, tls_of
 from rlmesh.v1 import (
     common_pb2,
     learner_pb2_grpc,
@@ -67,7 +68,7 @@ def probe_info(service: str, address: str, token: str | None) -> str:
         return "-"
     stub_cls, method = INFO_RPC[service]
     metadata = bearer_metadata(token)
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address) as channel:
         try:
             getattr(stub_cls(channel), method)(common_pb2.Empty(), timeout=5, metadata=metadata)
         except grpc.RpcError as e:
@@ -210,6 +211,8 @@ def start_stack(
     from rlmesh.config import given_keys, load_config
 
     cfg = load_config(config_path, overrides)
+    # Its probes (and the control plane's clients it starts) speak TLS when the services do.
+    export_tls(tls_of(cfg.rlmesh.security.tls))
     timeout_s = cfg.rlmesh.runtime.health_timeout_s
     plan = gpu_plan_here(cfg)
     if plan is not None:

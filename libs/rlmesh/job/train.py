@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.job.report import engine_server_info, plot, read_metrics, stage_rates
+from rlmesh.runtime.tls import sync_channel
 
 Say = Callable[[str], None]
 
@@ -220,7 +221,7 @@ def run_job(
         supervisor = Supervisor(
             stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
         )
-        with grpc.insecure_channel(learner.grpc_address) as channel:
+        with sync_channel(learner.grpc_address) as channel:
             stub = learner_pb2_grpc.LearnerStub(channel)
             while learner.process.alive():
                 result.failure = supervisor.check()

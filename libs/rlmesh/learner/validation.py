@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from rlmesh.data import PromptItem
 from rlmesh.runtime.auth import client_auth_interceptors
+from rlmesh.runtime.tls import aio_channel
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("rlmesh.learner")
@@ -94,7 +94,7 @@ async def run_validation(
 ) -> ValidationResult:
     if not replicas:
         raise RuntimeError("validation needs at least one live rollout replica")
-    channels = [grpc.aio.insecure_channel(a, interceptors=client_auth_interceptors(token)) for a in replicas]
+    channels = [aio_channel(a, interceptors=client_auth_interceptors(token)) for a in replicas]
     stubs = itertools.cycle([rollout_pb2_grpc.RolloutStub(c) for c in channels])
     scores: dict[str, list[float]] = defaultdict(list)
     lengths: list[int] = []

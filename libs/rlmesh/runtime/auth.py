@@ -1,35 +1,47 @@
 """Bearer-token auth for gRPC: a server interceptor that refuses calls without the token, and
-client interceptors that attach it. Health and reflection stay open so probes need no secret."""
+client interceptors that attach it. Only ``Health/Check`` stays open, so probes need no secret;
+everything else (``Health/Watch`` and reflection included) needs the token, and a refusal ends the
+call at once, so that idle streams of a caller without the token hold none of the server's slots."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
 
-from rlmesh.runtime.metrics import replace_behavior
-
-OPEN_METHOD_PREFIXES: tuple[str, ...] = (
-    "/grpc.health.v1.Health/",
-    "/grpc.reflection.v1alpha.ServerReflection/",
-    "/grpc.reflection.v1.ServerReflection/",
-)
+# Exact paths, not prefixes: a streaming method (Health/Watch) next to an open one stays closed.
+OPEN_METHODS: frozenset[str] = frozenset({"/grpc.health.v1.Health/Check"})
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without ``authorization: Bearer <token>`` with UNAUTHENTICATED."""
+def _refusal(reason: str) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED without reading the request.
 
-    def __init__(self, token: str, open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES) -> None:
+    gRPC reads the request of a unary-request method before its behavior runs, so a caller that
+    sends headers and no message would hold a concurrency slot; a stream-request behavior runs at
+    once. The kind is not on the wire, so one stream-unary refusal serves a method of any kind, and
+    a request never read is never parsed."""
+
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <token>`` with UNAUTHENTICATED, to a
+    method that does not exist too (a caller without the token learns no method names)."""
+
+    def __init__(self, token: str, open_methods: Collection[str] = OPEN_METHODS) -> None:
         if not token:
             raise ValueError("BearerTokenInterceptor needs a non-empty token")
         self._expected = f"Bearer {token}".encode()
-        self._open_prefixes = tuple(open_prefixes)
+        self._open_methods = frozenset(open_methods)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool | str:
         for key, value in details.invocation_metadata or ():
@@ -43,25 +55,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self._open_prefixes):
-            return handler
-        verdict = self._authorized(handler_call_details)
+        method = handler_call_details.method
+        verdict = True if method in self._open_methods else self._authorized(handler_call_details)
         if verdict is True:
-            return handler
-        reason = f"{handler_call_details.method}: {verdict}"
-
-        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-        async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-            yield  # pragma: no cover - makes this an async generator like the handler it replaces
-
-        # The refusal keeps the request as raw bytes: a caller without the token never gets its
-        # message parsed (the server's size limit already bounds what is read).
-        refusal = replace_behavior(handler, lambda _b: refuse, lambda _b: refuse_stream)
-        return refusal._replace(request_deserializer=None)  # a namedtuple
+            return await continuation(handler_call_details)
+        return _refusal(f"{method}: {verdict}")
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
@@ -92,6 +90,30 @@ class _BearerUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_token(client_call_details, self.token), request)
 
 
+class _BearerStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(_with_token(client_call_details, self.token), request_iterator)
+
+
+class _BearerStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(_with_token(client_call_details, self.token), request_iterator)
+
+
 def client_auth_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add the bearer token to unary and server-streaming calls of a channel."""
-    return [_BearerUnaryUnary(token), _BearerUnaryStream(token)] if token else []
+    """Interceptors that add the bearer token to every call of a channel, of all four kinds
+    (reflection streams both ways)."""
+    if not token:
+        return []
+    return [
+        _BearerUnaryUnary(token),
+        _BearerUnaryStream(token),
+        _BearerStreamUnary(token),
+        _BearerStreamStream(token),
+    ]

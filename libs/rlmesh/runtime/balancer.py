@@ -14,6 +14,7 @@ import grpc
 from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
+from rlmesh.runtime.tls import aio_channel
 
 log = logging.getLogger("rlmesh.client")
 
@@ -65,7 +66,7 @@ class BalancedCaller:
     def _stub(self, address: str) -> Any:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(
+            channel = aio_channel(
                 address,
                 options=CLIENT_GRPC_OPTIONS,
                 interceptors=client_auth_interceptors(self.token) or None,

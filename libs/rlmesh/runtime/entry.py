@@ -16,6 +16,7 @@ from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.net import OpenBindError, advertised_address, check_open_bind
 from rlmesh.runtime.server import GrpcService
+from rlmesh.runtime.tls import export_tls, tls_of
 
 BuildService = Callable[[GrpcService, RLMeshConfig], Awaitable[None]]
 
@@ -58,6 +59,14 @@ def service_main(
         # learner's weight pushes) and its children (a replica's engine), never through argv.
         os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token
     section = getattr(cfg.rlmesh, name)
+    tls = tls_of(cfg.rlmesh.security.tls)
+    try:
+        if tls is not None:
+            tls.check()
+    except FileNotFoundError as e:
+        print(f"rlmesh {name}: invalid configuration:\n{e} (rlmesh.security.tls)", file=sys.stderr)
+        return 2
+    export_tls(tls)  # this process's clients, and its children (a replica's engine), read it there
     configure_logging(name, cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
     try:
         apply_cpu_affinity(section.cpus, f"rlmesh.{name}.cpus")
@@ -102,6 +111,8 @@ def service_main(
             ready_file=args.ready_file,
             max_request_bytes=cfg.rlmesh.runtime.grpc_max_request_mb * 1024 * 1024,
             max_concurrent_rpcs=cfg.rlmesh.runtime.grpc_max_concurrent_rpcs,
+            reflection=cfg.rlmesh.security.grpc_reflection,
+            tls=tls,
         )
         await build(service, cfg)
         await service.serve()

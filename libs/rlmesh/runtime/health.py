@@ -9,11 +9,13 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rlmesh.runtime.tls import sync_channel
+
 
 def grpc_health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
     """Returns the serving status name (SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN) or
     ``UNREACHABLE: <reason>`` when no answer came."""
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

@@ -1,19 +1,23 @@
 """Prometheus metrics for every service: per-RPC counts, errors, latency and in-flight calls.
 
-docs/design.md#the-processes"""
+The ``method`` label comes from a fixed set, the methods the server registered: a caller cannot
+make a new series by naming a method that does not exist. docs/design.md#the-processes"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The one label every method the server does not serve shares (e.g. a refused caller probing names).
+UNKNOWN_METHOD = "unknown"
 
 
 class RpcMetrics:
@@ -63,10 +67,16 @@ def _status_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> 
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Times every RPC and counts it by status code; covers all four RPC kinds."""
+    """Times every RPC and counts it by status code; covers all four RPC kinds.
 
-    def __init__(self, metrics: RpcMetrics) -> None:
+    ``methods`` is the fixed set of labels (full method paths, ``/package.Service/Method``); it may
+    be filled after the interceptor is made, as servicers are added. A call to any other method that
+    an inner interceptor answers (a refusal) is counted as ``UNKNOWN_METHOD``; one that nothing
+    answers gets UNIMPLEMENTED from gRPC and is not counted."""
+
+    def __init__(self, metrics: RpcMetrics, methods: Collection[str]) -> None:
         self.metrics = metrics
+        self.methods = methods
 
     async def intercept_service(
         self,
@@ -77,12 +87,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        label = method if method in self.methods else UNKNOWN_METHOD
         metrics = self.metrics
 
-        def wrap_unary_response(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        def wrap_coroutine(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
-                gauge = metrics.in_flight.labels(metrics.service, method)
+                gauge = metrics.in_flight.labels(metrics.service, label)
                 gauge.inc()
                 exc: BaseException | None = None
                 try:
@@ -92,14 +103,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     gauge.dec()
-                    metrics.observe(method, _status_of(context, exc), time.perf_counter() - start)
+                    metrics.observe(label, _status_of(context, exc), time.perf_counter() - start)
 
             return wrapped
 
-        def wrap_stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap_generator(behavior: Callable[..., Any]) -> Callable[..., Any]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
-                gauge = metrics.in_flight.labels(metrics.service, method)
+                gauge = metrics.in_flight.labels(metrics.service, label)
                 gauge.inc()
                 exc: BaseException | None = None
                 try:
@@ -110,30 +121,39 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     gauge.dec()
-                    metrics.observe(method, _status_of(context, exc), time.perf_counter() - start)
+                    metrics.observe(label, _status_of(context, exc), time.perf_counter() - start)
 
             return wrapped
 
-        return replace_behavior(handler, wrap_unary_response, wrap_stream_response)
+        return replace_behavior(handler, wrap_coroutine, wrap_generator)
 
 
 def replace_behavior(
     handler: grpc.RpcMethodHandler,
-    wrap_unary_response: Callable[[Any], Any],
-    wrap_stream_response: Callable[[Any], Any],
+    wrap_coroutine: Callable[[Any], Any],
+    wrap_generator: Callable[[Any], Any],
 ) -> grpc.RpcMethodHandler:
-    """Returns ``handler`` with its behavior wrapped, keeping its kind and (de)serializers."""
+    """Returns ``handler`` with its behavior wrapped, keeping its kind and (de)serializers.
+
+    A streaming response comes either from an async generator (``yield``) or from a coroutine that
+    writes with ``context.write`` (grpc_health's ``Watch``); gRPC tells them apart by the function's
+    kind, so each is wrapped by a function of the same kind: ``wrap_generator`` for async
+    generators, ``wrap_coroutine`` for everything else (every unary response included)."""
     kw = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
+
+    def wrap(behavior: Any) -> Any:
+        return wrap_generator(behavior) if inspect.isasyncgenfunction(behavior) else wrap_coroutine(behavior)
+
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kw)
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **kw)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary_response(handler.stream_unary), **kw)
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **kw)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream_response(handler.unary_stream), **kw)
-    return grpc.stream_stream_rpc_method_handler(wrap_stream_response(handler.stream_stream), **kw)
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **kw)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **kw)
 
 
 class MetricsHttpServer:

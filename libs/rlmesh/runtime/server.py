@@ -1,5 +1,6 @@
-"""The gRPC service runtime every rlmesh service stands on: health, reflection, auth, metrics and a
-graceful shutdown. docs/design.md#the-processes"""
+"""The gRPC service runtime every rlmesh service stands on: health, auth, metrics, a graceful
+shutdown and, when asked for, server reflection (behind the token like every method but
+``Health/Check``). docs/design.md#the-processes"""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
 from prometheus_client import CollectorRegistry
 
 from rlmesh.runtime.auth import BearerTokenInterceptor
 from rlmesh.runtime.malformed import RefuseMalformedInterceptor
 from rlmesh.runtime.metrics import MetricsHttpServer, MetricsInterceptor, RpcMetrics
+from rlmesh.runtime.tls import TlsFiles, grpc_server_credentials
 
 log = logging.getLogger("rlmesh.runtime")
 
@@ -45,6 +49,63 @@ def server_grpc_options(max_request_bytes: int) -> tuple[tuple[str, int], ...]:
 
 AddServicer = Callable[[Any, grpc.aio.Server], None]
 ShutdownHook = Callable[[], Awaitable[None]]
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def method_paths(full_service_name: str) -> list[str]:
+    """``/package.Service/Method`` of each method of a service whose generated code is imported."""
+    try:
+        service = descriptor_pool.Default().FindServiceByName(full_service_name)
+    except KeyError:
+        raise ValueError(f"no service {full_service_name!r} among the imported protos") from None
+    return [f"/{full_service_name}/{m.name}" for m in service.methods]
+
+
+class HealthServicer(health_async.HealthServicer):
+    """grpc_health's servicer with a ``Watch`` that ends once the server stops, after sending
+    NOT_SERVING. The stock ``Watch`` never returns, so one watcher would hold every graceful stop
+    for the whole grace period; it also writes while holding the lock ``set`` needs, so a watcher
+    that stops reading could block ``set_serving``. ``Check`` stays the stock one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._changed = asyncio.Condition()
+        self._stopping = False
+
+    async def set(self, service: str, status: int) -> None:
+        await super().set(service, status)
+        async with self._changed:
+            if not self._stopping:
+                self._statuses[service] = status
+                self._changed.notify_all()
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        async with self._changed:
+            self._statuses = dict.fromkeys(self._statuses, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._stopping = True
+            self._changed.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        """Writes the service's status now and on every change (SERVICE_UNKNOWN for a name never
+        set); statuses set in between may be skipped, the last one is always sent."""
+        last: int | None = None
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(partial(self._news, request.service, last))
+                status, stopping = self._status(request.service), self._stopping
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if stopping:
+                return
+
+    def _news(self, service: str, last: int | None) -> bool:
+        return self._stopping or self._status(service) != last
+
+    def _status(self, service: str) -> int:
+        return self._statuses.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
 
 
 class GrpcService:
@@ -53,6 +114,10 @@ class GrpcService:
     service = GrpcService("reward", port=50051, metrics_port=9101)
     service.add_servicer(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "rlmesh.v1.Reward")
     await service.serve()   # returns after SIGTERM, once drained
+
+    With ``auth_token`` every call but ``Health/Check`` needs the token; server reflection is served
+    only with ``reflection=True`` (``rlmesh.security.grpc_reflection``), behind the token too. With
+    ``tls`` it serves TLS only (and checks client certificates when ``tls.verify_clients``).
     """
 
     def __init__(
@@ -69,8 +134,11 @@ class GrpcService:
         ready_file: str | os.PathLike[str] | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_concurrent_rpcs: int | None = DEFAULT_MAX_CONCURRENT_RPCS,
+        reflection: bool = False,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.name = name
+        self.tls = tls
         self.host = host
         self.requested_port = port
         self._advertise = advertise
@@ -78,21 +146,25 @@ class GrpcService:
         self.requested_metrics_port = metrics_port
         self.shutdown_grace_s = shutdown_grace_s
         self.ready_file = Path(ready_file) if ready_file else None
+        self.reflection = reflection
         self.registry = CollectorRegistry()
         self.rpc_metrics = RpcMetrics(self.registry, name)
+        # The metrics' method labels; filled as servicers are added, before the server starts.
+        self._methods: set[str] = set(method_paths(HEALTH_SERVICE))
         # Metrics outermost, so refused (unauthenticated) calls are counted too.
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.rpc_metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.rpc_metrics, self._methods)]
         if auth_token:
             interceptors.append(BearerTokenInterceptor(auth_token))
         interceptors.append(RefuseMalformedInterceptor())
         # A request over max_request_bytes, or a call past max_concurrent_rpcs, is refused with
-        # RESOURCE_EXHAUSTED by gRPC itself, before any handler (or parser) sees it.
+        # RESOURCE_EXHAUSTED by gRPC itself, before any handler (or parser) sees it. A call the
+        # token check refuses ends at once, so callers without the token cannot hold those slots.
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=server_grpc_options(max_request_bytes),
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
-        self.health = health_async.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = []
         self._shutdown_hooks: list[ShutdownHook] = []
@@ -118,6 +190,7 @@ class GrpcService:
 
     def add_servicer(self, add_fn: AddServicer, servicer: Any, full_service_name: str) -> None:
         """Registers a generated servicer, e.g. ``reward_pb2_grpc.add_RewardServicer_to_server``."""
+        self._methods.update(method_paths(full_service_name))
         add_fn(servicer, self.server)
         self._service_names.append(full_service_name)
 
@@ -147,15 +220,13 @@ class GrpcService:
         self.request_stop()
 
     async def start(self) -> None:
-        reflection.enable_server_reflection(
-            [
-                *self._service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
-        )
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.reflection:
+            self._enable_reflection()
+        bind = f"{self.host}:{self.requested_port}"
+        if self.tls is None:
+            self.port = self.server.add_insecure_port(bind)
+        else:
+            self.port = self.server.add_secure_port(bind, grpc_server_credentials(self.tls))
         if self.port == 0:
             raise OSError(f"{self.name}: could not bind gRPC on {self.host}:{self.requested_port}")
         await self.server.start()
@@ -177,6 +248,13 @@ class GrpcService:
             await hook()
         if self.ready_file is not None:
             self._write_ready_file()
+
+    def _enable_reflection(self) -> None:
+        # Off unless asked for: it lists every method and message, and it streams, so it is one
+        # more way to hold a connection open; with a token it needs the token like the rest.
+        names = [*self._service_names, HEALTH_SERVICE, grpc_reflection.SERVICE_NAME]
+        self._methods.update(method_paths(grpc_reflection.SERVICE_NAME))
+        grpc_reflection.enable_server_reflection(names, self.server)
 
     @property
     def metrics_port(self) -> int | None:
