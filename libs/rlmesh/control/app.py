@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -26,6 +29,7 @@ from rlmesh.control.plane import ControlPlane
 from rlmesh.control.policy import Remedy
 from rlmesh.engine.auth import BearerTokenMiddleware
 from rlmesh.queue.connection import TRANSIENT_ERRORS
+from rlmesh.runtime.http_guard import HttpGuard, guard_policy
 
 log = logging.getLogger("rlmesh.control")
 
@@ -33,6 +37,8 @@ API = "/api/v1"
 USER_HEADER = "x-rlmesh-user"
 _PRINTABLE = re.compile(r"[^A-Za-z0-9_.@:+/-]")
 DEAD_LETTER_ID = r"^\d{1,20}-\d{1,20}$"
+# Its bodies are a few fields (a webhook's alerts the largest): far below the engines' 64 MiB.
+MAX_BODY_BYTES = 1 << 20
 
 
 class Strict(BaseModel):
@@ -88,6 +94,18 @@ def token_identity(token: str | None) -> str:
     return f"token:{hashlib.sha256(token.encode()).hexdigest()[:8]}" if token else "anonymous"
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with each NaN or infinity as its name: a 422 quoting the input it refused must
+    still be JSON (Python's json reads ``NaN``, but the answer may not hold one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def who(request: Request) -> str:
     """``X-Rlmesh-User`` when sent (cleaned, 64 characters at most), else the token's identity;
     with the client's address."""
@@ -126,9 +144,15 @@ def create_app(
     metrics: ControlMetrics | None = None,
     learner_address: str | None = None,
     on_ready: Callable[[], None] | None = None,
+    own_hosts: Sequence[str] = (),
 ) -> FastAPI:
     """The app for the run ``cfg`` names; the learner at ``learner_address`` (default the config's
-    ``rlmesh.learner`` address). ``on_ready`` runs once the plane is up (the ready file)."""
+    ``rlmesh.learner`` address). ``on_ready`` runs once the plane is up (the ready file).
+
+    In front of every route (docs/security.md#http): a Host other than loopback, an IP address,
+    the plane's own (``rlmesh.control.host`` and ``advertise_address``, ``own_hosts``) or
+    ``rlmesh.security.allowed_hosts`` gets a 421; a change whose Origin is not the plane's own or
+    allowed a 403, whose body is not JSON a 415; a body past ``MAX_BODY_BYTES`` a 413."""
     app = FastAPI(
         title="rlmesh control plane",
         version="1",
@@ -147,6 +171,11 @@ def create_app(
     async def control_error(request: Request, e: ControlError) -> JSONResponse:
         return JSONResponse({"detail": e.message}, status_code=e.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer, but one that a NaN in the body cannot turn into a 500.
+        return JSONResponse({"detail": json_safe(jsonable_encoder(e.errors()))}, status_code=422)
+
     for error in TRANSIENT_ERRORS:
 
         @app.exception_handler(error)
@@ -158,6 +187,16 @@ def create_app(
     mount_dashboard(app)
     if cfg.rlmesh.auth_token:  # the page's static files are open; its API calls carry the token
         app.add_middleware(BearerTokenMiddleware, token=cfg.rlmesh.auth_token, open_paths=open_paths())
+    security = cfg.rlmesh.security
+    section = cfg.rlmesh.control
+    policy = guard_policy(
+        own_hosts=[section.host, section.advertise_address or "", *own_hosts],
+        allowed_hosts=security.allowed_hosts,
+        allowed_origins=security.allowed_origins,
+        max_body_bytes=MAX_BODY_BYTES,
+        json_bodies_only=True,  # an HTML form's text/plain or urlencoded POST is a cross-site one
+    )
+    app.add_middleware(HttpGuard, policy=policy)  # before the token: a refused request is not asked for one
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: refusals count too
     return app
 

@@ -18,6 +18,7 @@ import httpx
 
 from rlmesh.config import ConfigError, load_config
 from rlmesh.control.hparams import HPARAMS
+from rlmesh.runtime.tls import client_ssl_context, export_tls, tls_from_env, tls_of
 
 ENV_URL = "RLMESH_CONTROL_URL"
 API = "/api/v1"
@@ -29,7 +30,9 @@ def control_url(url: str | None, config: str | None) -> tuple[str, str | None]:
     if not url:
         url = os.environ.get(ENV_URL)
     if not url:
-        url = f"http://{cfg.rlmesh.control.client_addresses()[0]}"
+        scheme = "https" if cfg.rlmesh.security.tls.enabled else "http"
+        url = f"{scheme}://{cfg.rlmesh.control.client_addresses()[0]}"
+    export_tls(tls_of(cfg.rlmesh.security.tls))  # an https:// URL is checked against the run's CA
     return url.rstrip("/"), cfg.rlmesh.auth_token
 
 
@@ -207,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         headers["Authorization"] = f"Bearer {token}"
     timeout = 3600.0 if args.cmd in ("checkpoint", "replicas") else args.timeout
     try:
-        resp = httpx.request(method, f"{base}{API}{path}", headers=headers, timeout=timeout, **kw)
+        tls = tls_from_env() if base.startswith("https:") else None
+        verify = client_ssl_context(tls) if tls else True
+        resp = httpx.request(
+            method, f"{base}{API}{path}", headers=headers, timeout=timeout, verify=verify, **kw
+        )
     except httpx.HTTPError as e:
         print(f"rlmesh ctl: {base}: {e}", file=sys.stderr)
         return 1

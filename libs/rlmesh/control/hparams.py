@@ -79,6 +79,12 @@ def range_text(h: Hparam) -> str:
     return f"{'(' if h.low_open else '['}{h.low:g}, {h.high:g}]"
 
 
+def in_range(h: Hparam, value: float) -> bool:
+    """Whether ``value`` is within ``h``'s range (NaN is not): the REST API and the learner's
+    ``UpdateHyperparams`` both check with it."""
+    return h.low <= value <= h.high and not (h.low_open and value == h.low)
+
+
 def problems(values: dict[str, object]) -> list[str]:
     """What is wrong with a requested change, one message per field, each naming it."""
     out = []
@@ -90,7 +96,7 @@ def problems(values: dict[str, object]) -> list[str]:
             out.append(f"{name}: expected a number, got {value!r}")
         elif not math.isfinite(value):
             out.append(f"{name}: {value} is not a finite number")
-        elif value < h.low or value > h.high or (h.low_open and value == h.low):
+        elif not in_range(h, value):
             out.append(f"{name}: {value:g} is outside {range_text(h)}")
     return out
 

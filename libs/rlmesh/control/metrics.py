@@ -1,5 +1,6 @@
 """The control plane's Prometheus metrics (its requests, their latency, the actions it took) in a
-registry of its own, and the plain-ASGI middleware that counts requests by route template."""
+registry of its own, and the plain-ASGI middleware that counts requests by route template and
+method, each from a fixed set: whatever callers send, the series stay few."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rlmesh.engine.auth import ASGIApp, Message, Receive, Scope, Send
+from rlmesh.runtime.http_guard import ASGIApp, Message, Receive, Scope, Send
+
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER = "other"
 
 
 class ControlMetrics:
@@ -42,11 +46,23 @@ class ControlMetrics:
 
 
 def route_label(scope: Scope) -> str:
-    """The matched route's template (``/api/v1/replicas/{replica_id}/drain``), never the raw path:
-    labels stay few whatever callers send."""
+    """The template of the app's route that served the request (``/api/v1/replicas/{replica_id}/drain``;
+    ``/dashboard`` for the page's files), never the raw path; ``other`` when none did (no such
+    path, or refused before routing)."""
     route: Any = scope.get("route")
-    endpoint: Any = scope.get("endpoint")
-    return getattr(route, "path", None) or getattr(endpoint, "__name__", None) or "unmatched"
+    if route is not None:
+        return str(route.path)
+    endpoint, app = scope.get("endpoint"), scope.get("app")
+    # A Starlette route or mount puts only its endpoint in the scope: find the route it belongs to.
+    for candidate in getattr(app, "routes", ()) if endpoint is not None else ():
+        if endpoint is getattr(candidate, "endpoint", None) or endpoint is getattr(candidate, "app", None):
+            return str(candidate.path)
+    return OTHER
+
+
+def method_label(scope: Scope) -> str:
+    method = scope["method"]
+    return method if method in METHODS else OTHER
 
 
 class RequestMetricsMiddleware:
@@ -71,5 +87,5 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send_counted)
         finally:
             route = route_label(scope)
-            self.metrics.requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.requests.labels(method_label(scope), route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)

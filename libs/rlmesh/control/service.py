@@ -20,9 +20,11 @@ from rlmesh.config import ENV_AUTH_TOKEN, ConfigError, load_config
 from rlmesh.control.app import create_app
 from rlmesh.control.metrics import ControlMetrics
 from rlmesh.runtime.entry import service_arg_parser
+from rlmesh.runtime.http_guard import http_limits
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.metrics import MetricsHttpServer
 from rlmesh.runtime.net import OpenBindError, advertised_address, check_open_bind
+from rlmesh.runtime.tls import export_tls, tls_of, uvicorn_ssl
 
 log = logging.getLogger("rlmesh.control")
 
@@ -62,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cfg.rlmesh.auth_token:
         os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token  # never argv: docs/design.md#tokens
+    export_tls(tls_of(cfg.rlmesh.security.tls))  # its gRPC clients (the learner, replicas) read it
     section = cfg.rlmesh.control
     configure_logging("control", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
     try:
@@ -112,9 +115,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 },
             )
 
-    app = create_app(cfg, metrics=metrics, on_ready=ready)
+    app = create_app(cfg, metrics=metrics, on_ready=ready, own_hosts=[advertise])
     grace = cfg.rlmesh.runtime.shutdown_grace_s
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace, access_log=False)
+    security = cfg.rlmesh.security
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=grace,
+        access_log=False,
+        **http_limits(security.http_max_concurrency, security.http_keep_alive_timeout_s),
+        **uvicorn_ssl(tls_of(security.tls)),
+    )
     server = Server(config)
     try:
         server.run(sockets=[sock])  # returns after SIGTERM or SIGINT, drained

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -15,7 +15,9 @@ from fastapi import FastAPI
 
 from rlmesh.engine import routes_control, routes_generate, routes_weights
 from rlmesh.engine.auth import BearerTokenMiddleware
+from rlmesh.engine.protocol import MAX_BODY_BYTES, error_body
 from rlmesh.engine.state import EngineState, load_state
+from rlmesh.runtime.http_guard import HttpGuard, guard_policy
 
 log = logging.getLogger("rlmesh.engine")
 
@@ -57,10 +59,18 @@ def create_app(
     port_holder: dict[str, int] | None = None,
     auth_token: str | None = None,
     override_config: dict[str, Any] | None = None,
+    own_hosts: Sequence[str] = ("127.0.0.1",),
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """Loads the model at ``model_path``; the engine starts with the app (and writes ``ready_file``,
     with the port in ``port_holder``, once it has). With ``auth_token`` every route but the health
-    probes and /metrics answers 401 to a request without ``Authorization: Bearer <auth_token>``."""
+    probes and /metrics answers 401 to a request without ``Authorization: Bearer <auth_token>``.
+
+    In front of every route (docs/security.md#http): a Host other than loopback, an IP address,
+    ``own_hosts`` (the bind host) or ``allowed_hosts`` gets a 421; a state change whose Origin is
+    not the engine's own or in ``allowed_origins`` a 403, one declaring a body other than JSON a
+    415; a body past ``MAX_BODY_BYTES`` a 413 as it streams in."""
     state = load_state(
         model_path,
         max_batch_size=max_batch_size,
@@ -77,4 +87,14 @@ def create_app(
     app.state.engine_state = state
     if auth_token:
         app.add_middleware(BearerTokenMiddleware, token=auth_token)
+    policy = guard_policy(
+        own_hosts=own_hosts,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+        max_body_bytes=MAX_BODY_BYTES,
+        hosts_setting="--allowed-host (rlmesh.security.allowed_hosts)",
+        origins_setting="--allowed-origin (rlmesh.security.allowed_origins)",
+    )
+    # Outermost: a refused request reaches neither the token check nor a route.
+    app.add_middleware(HttpGuard, policy=policy, error_body=error_body)
     return app

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from rlmesh.runtime.http_guard import ASGIApp, Receive, Scope, Send
 
 # Open as in SGLang, so that orchestrators and scrapers need no secret. Exact paths, not SGLang's
 # prefixes: a prefix would also open any route added later under it.

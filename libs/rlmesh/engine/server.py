@@ -17,8 +17,10 @@ import uvicorn
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
 from rlmesh.runtime.entry import limit_torch_threads
+from rlmesh.runtime.http_guard import http_limits
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.net import OpenBindError, check_open_bind
+from rlmesh.runtime.tls import tls_from_env, uvicorn_ssl
 
 __all__ = ["create_app", "main"]
 
@@ -36,6 +38,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="bind beyond loopback without RLMESH_AUTH_TOKEN on purpose (rlmesh.security.allow_open_bind)",
     )
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a Host header name it answers to besides loopback, IP addresses and --host (its "
+        "advertised name; rlmesh.security.allowed_hosts); repeatable; '*' = any",
+    )
+    parser.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin (scheme://host[:port]) besides its own that may send POSTs "
+        "(rlmesh.security.allowed_origins); repeatable; '*' = any",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=256,
+        help="requests served at once; more get a 503 (rlmesh.security.http_max_concurrency)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (rlmesh.security.http_keep_alive_timeout_s)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
@@ -52,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON object of HF config entries to override on load (SGLang's flag of the same name)",
     )
     args = parser.parse_args(argv)
+    if args.max_concurrency < 1 or not args.keep_alive_timeout > 0:
+        parser.error("--max-concurrency must be >= 1 and --keep-alive-timeout > 0")
     configure_logging("engine", os.environ.get("RLMESH_RUN_ID"), fmt=args.log_format)
     torch.manual_seed(args.seed)
     token = os.environ.get(ENV_AUTH_TOKEN) or None
@@ -79,8 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
         auth_token=token,
         override_config=args.json_model_override_args,
+        own_hosts=[args.host],
+        allowed_hosts=args.allowed_host,
+        allowed_origins=args.allowed_origin,
     )
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+        access_log=False,
+        **http_limits(args.max_concurrency, args.keep_alive_timeout),
+        # TLS from the environment its replica exported (rlmesh.security.tls), like the token.
+        **uvicorn_ssl(tls_from_env()),
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

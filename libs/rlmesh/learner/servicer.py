@@ -4,27 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 import grpc
 
+from rlmesh.control.hparams import BY_PROTO, in_range, range_text
 from rlmesh.learner.loop import TrainingLoop
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger("rlmesh.learner")
 
-HPARAM_KEYS = {
-    "kl_coef": "algorithm.kl_ctrl.kl_coef",
-    "lr": "actor_rollout_ref.actor.optim.lr",
-    "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
-    "temperature": "actor_rollout_ref.rollout.temperature",
-    "critic_lr": "critic.optim.lr",
-    "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
-    "clip_ratio": "actor_rollout_ref.actor.clip_ratio",
-    "top_p": "actor_rollout_ref.rollout.top_p",
-}
-# Must be > 0 (the others >= 0; temperature 0 is greedy); top_p also <= 1.
-POSITIVE = ("lr", "critic_lr", "top_p")
+# UpdateHyperparamsRequest's fields -> the config keys they override; their ranges are the control
+# plane's (one table: a value the REST API refuses is refused here too, whoever sends it).
+HPARAM_KEYS = {h.proto: h.key for h in BY_PROTO.values()}
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -89,15 +80,12 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     ) -> learner_pb2.UpdateHyperparamsResponse:
         given = {k: getattr(request, k) for k in HPARAM_KEYS if request.HasField(k)}
         for key, value in given.items():
-            if not math.isfinite(value):
+            h = BY_PROTO[key]
+            if not in_range(h, value):
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be a finite number"
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{key}={value}: must be a finite number in {range_text(h)} ({h.key})",
                 )
-            if value < 0 or (key in POSITIVE and value == 0):
-                allowed = "> 0" if key in POSITIVE else ">= 0"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}={value}: must be {allowed}")
-            if key == "top_p" and value > 1:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_p={value}: must be <= 1")
             if key == "critic_lr" and self.loop.trainer.critic is None:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,

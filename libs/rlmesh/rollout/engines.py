@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
+from rlmesh.config.rlmesh_section import SecurityConfig
 from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.runtime.launcher import ManagedProcess, ProcessLauncher
 from rlmesh.runtime.net import bracket, check_open_bind, dial_host, free_port
@@ -161,6 +163,22 @@ def weight_sync_ranks_of(server_info: dict) -> int:
     return tp
 
 
+def engine_http_args(security: SecurityConfig, own_hosts: Sequence[str] = ()) -> list[str]:
+    """``rlmesh engine`` flags for ``rlmesh.security``'s HTTP settings; ``own_hosts``: the names the
+    engine is reached by beyond its bind host (the replica's advertised host)."""
+    args = [
+        "--max-concurrency",
+        str(security.http_max_concurrency),
+        "--keep-alive-timeout",
+        str(security.http_keep_alive_timeout_s),
+    ]
+    for host in dict.fromkeys([*own_hosts, *security.allowed_hosts]):
+        args += ["--allowed-host", host]
+    for origin in security.allowed_origins:
+        args += ["--allowed-origin", origin]
+    return args
+
+
 async def start_engine(
     *,
     kind: str,
@@ -183,6 +201,7 @@ async def start_engine(
     override_config: dict[str, Any] | None = None,
     gpus: list[str] | None = None,
     allow_open_bind: bool = False,
+    http_args: Sequence[str] = (),
 ) -> RunningEngine:
     """``token``: the engine it starts requires it (``Authorization: Bearer``; SGLang's ``--api-key``),
     handed over in the child's environment, never its argv; the client sends it, also to an engine
@@ -192,7 +211,8 @@ async def start_engine(
     interface); it reaches that engine on loopback then. ``override_config``: the embedded engine's
     model config overrides (an SGLang server takes them in ``extra_args``, sglang_rollout_args).
     An engine it starts beyond loopback with no token is refused (``OpenBindError``) unless
-    ``allow_open_bind`` (rlmesh.security.allow_open_bind)."""
+    ``allow_open_bind`` (rlmesh.security.allow_open_bind). ``http_args``: the embedded engine's
+    Host, Origin and concurrency flags (:func:`engine_http_args`)."""
     if token is None:
         token = os.environ.get(ENV_AUTH_TOKEN) or None
     if not attach_urls:
@@ -211,6 +231,7 @@ async def start_engine(
                 "--max-batch-size",
                 str(max_batch_size),
                 *(["--allow-open-bind"] if allow_open_bind else []),
+                *http_args,
                 *(["--json-model-override-args", json.dumps(override_config)] if override_config else []),
             ],
             env=env,
