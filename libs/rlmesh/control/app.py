@@ -354,7 +354,7 @@ def _routes(app: FastAPI) -> None:
     # ----- reward services -----
     async def current_rewards(plane: ControlPlane) -> tuple[list[str], str]:
         return await fleet.reward_addresses(
-            plane.redis, plane.keys.run_id, plane.cfg.rlmesh.reward.client_addresses()
+            plane.redis, plane.keys, plane.cfg.rlmesh.reward.client_addresses()
         )
 
     @app.get(f"{API}/rewards", tags=["rewards"])
@@ -372,7 +372,7 @@ def _routes(app: FastAPI) -> None:
         old, _ = await current_rewards(plane)
         if not force:
             await fleet.require_serving([a for a in new if a not in old], field)
-        stored = await fleet.set_rewards(plane.redis, plane.keys.run_id, new)
+        stored = await fleet.set_rewards(plane.redis, plane.keys, new)
         await plane.audit.record(
             await audited(request, action), action, target="rewards", old=old, new=stored
         )

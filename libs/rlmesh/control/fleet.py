@@ -1,6 +1,7 @@
 """The run's moving parts as the control plane sees them: rollout replicas (the registry in Redis and
 each one's ``Rollout`` service), reward services (the address list replicas follow) and the queues
-with their dead letters."""
+with their dead letters. What it reads from Redis is checked with the signer of the keys it is given
+(``RunKeys.signed``): the token only goes to the addresses of entries the run signed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from redis.exceptions import ResponseError
 
 from rlmesh.control.errors import ControlError, from_rpc_error
 from rlmesh.queue import ReplicaRegistry, RunKeys, prompt_queue, trajectory_queue
-from rlmesh.queue.streams import PAYLOAD
+from rlmesh.queue.streams import PAYLOAD, TAG
 from rlmesh.reward.addresses import get_reward_addresses, set_reward_addresses
 from rlmesh.runtime.addresses import check_address
 from rlmesh.runtime.auth import bearer_metadata
@@ -106,10 +107,11 @@ async def drain_replica(address: str, token: str | None, timeout_s: float) -> di
 
 # ----- reward services -----
 async def reward_addresses(
-    redis: aioredis.Redis, run_id: str, configured: Sequence[str]
+    redis: aioredis.Redis, run: str | RunKeys, configured: Sequence[str]
 ) -> tuple[list[str], str]:
-    """The addresses replicas call now, and where they come from (redis, or config)."""
-    listed = await get_reward_addresses(redis, run_id)
+    """The addresses replicas call now, and where they come from (redis, or config). ``run``: the
+    run's keys, whose signer checks the list (a run id: no check)."""
+    listed = await get_reward_addresses(redis, run)
     return (listed, "redis") if listed else (list(configured), "config")
 
 
@@ -151,10 +153,11 @@ async def require_serving(addresses: Sequence[str], field: str) -> None:
         )
 
 
-async def set_rewards(redis: aioredis.Redis, run_id: str, addresses: Sequence[str]) -> list[str]:
-    """One atomic SET of the list: every replica's reward client follows within half a second;
-    calls in flight finish where they are, and a failed one is retried on the new list."""
-    return await set_reward_addresses(redis, run_id, addresses)
+async def set_rewards(redis: aioredis.Redis, run: str | RunKeys, addresses: Sequence[str]) -> list[str]:
+    """One atomic SET of the list (signed with the signer of ``run``'s keys): every replica's reward
+    client follows within half a second; calls in flight finish where they are, and a failed one is
+    retried on the new list."""
+    return await set_reward_addresses(redis, run, addresses)
 
 
 # ----- queues -----
@@ -204,7 +207,8 @@ async def dead_letters(redis: aioredis.Redis, keys: RunKeys, limit: int) -> list
 
 async def replay_dead_letter(redis: aioredis.Redis, keys: RunKeys, dead_id: str) -> dict[str, Any]:
     """Puts a dead letter's message back on its own stream (as a new entry, its delivery count
-    fresh) and removes it from the dead letters, in one transaction."""
+    fresh) and removes it from the dead letters, in one transaction. It goes back with its own tag,
+    never a new one: an entry dead-lettered as forged is refused again, not laundered."""
     try:
         found = await redis.xrange(keys.dead_letters, min=dead_id, max=dead_id)
     except ResponseError as e:  # digits past 2**64: not an id Redis takes
@@ -218,8 +222,11 @@ async def replay_dead_letter(redis: aioredis.Redis, keys: RunKeys, dead_id: str)
     payload = fields.get(PAYLOAD, b"")
     if not payload:
         raise ControlError(409, f"dead_letter_id: {dead_id!r} has no payload to replay (it was malformed)")
+    entry = {PAYLOAD: payload}
+    if fields.get(TAG):
+        entry[TAG] = fields[TAG]
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.xadd(stream, {PAYLOAD: payload})
+        pipe.xadd(stream, entry)
         pipe.xdel(keys.dead_letters, dead_id)
         new_id, _ = await pipe.execute()
     return {"id": dead_id, "stream": stream, "new_entry_id": new_id.decode()}

@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from rlmesh.queue.signing import expose_untrusted
 from rlmesh.runtime.http_guard import ASGIApp, Message, Receive, Scope, Send
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -18,6 +19,7 @@ OTHER = "other"
 class ControlMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry = registry or CollectorRegistry()
+        expose_untrusted(registry)  # what the plane skipped of what it read from Redis
         self.requests = Counter(
             "rlmesh_control_requests",
             "REST requests answered, by route template and status",

@@ -15,6 +15,10 @@ from rlmesh.algo import compute_data_metrics, place_scores_on_last_token
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
 __all__ = [
+    "LOG_PROB_SLACK",
+    "MAX_ABS_SCORE",
+    "MAX_TRAJECTORY_BYTES",
+    "MIN_LOG_PROB",
     "BatchError",
     "PPOBatch",
     "batch_metrics",
@@ -23,6 +27,19 @@ __all__ = [
     "staleness_metrics",
     "validate_trajectory",
 ]
+
+
+# Scores of rule-based rewards are O(1) and of reward models O(10): past 1e6 a score is a bug or a
+# forgery, and one such score would swamp a group's mean and std (its square still fits a float32).
+MAX_ABS_SCORE = 1e6
+# Engines compute log-softmax in bf16/fp16, whose rounding can land just above 0; more is not a
+# log-probability.
+LOG_PROB_SLACK = 1e-3
+# exp(-1e4) underflows any float: a log-probability below it says the value, not the token, is wrong,
+# and would overflow the importance ratios it enters.
+MIN_LOG_PROB = -1e4
+# A trajectory of 32k prompt and 32k response tokens with both log-probs and its text is a few MiB.
+MAX_TRAJECTORY_BYTES = 64 << 20
 
 
 class BatchError(ValueError):
@@ -128,17 +145,64 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
     return None
 
 
-def validate_trajectory(t: Trajectory, needs_ref: bool = False, needs_baseline: bool = False) -> str | None:
-    """Why ``t`` must not be trained on, or None when it is fine.
+def _bounds_problem(
+    t: Trajectory,
+    vocab_size: int | None,
+    max_prompt_length: int | None,
+    max_response_length: int | None,
+    max_bytes: int,
+) -> tuple[str, str] | None:
+    """(field, reason) of the first value of ``t`` outside what a step can take, or None."""
+    size = t.ByteSize()
+    if size > max_bytes:
+        return "trajectory", f"{size} bytes, more than {max_bytes}"
+    for name, limit in (("prompt_ids", max_prompt_length), ("response_ids", max_response_length)):
+        if limit is not None and len(getattr(t, name)) > limit:
+            return name, f"{len(getattr(t, name))} tokens, more than the configured {limit}"
+    if vocab_size is not None:
+        for name in ("prompt_ids", "response_ids"):
+            top = max(getattr(t, name))
+            if top >= vocab_size:
+                return name, f"holds token id {top}, outside the vocabulary of {vocab_size}"
+    scores = [("score", t.score)]
+    if t.HasField("baseline_score"):
+        scores.append(("baseline_score", t.baseline_score))
+    for name, value in scores:
+        if not math.isfinite(value) or abs(value) > MAX_ABS_SCORE:
+            return name, f"{value} is not a finite value within +-{MAX_ABS_SCORE:g}"
+    for name in ("rollout_log_probs", "ref_log_probs"):
+        values = getattr(t, name)
+        if len(values) and (max(values) > LOG_PROB_SLACK or min(values) < MIN_LOG_PROB):
+            return name, f"holds a value outside [{MIN_LOG_PROB:g}, 0]: not a log-probability"
+    return None
+
+
+def validate_trajectory(
+    t: Trajectory,
+    needs_ref: bool = False,
+    needs_baseline: bool = False,
+    *,
+    vocab_size: int | None = None,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+    max_bytes: int = MAX_TRAJECTORY_BYTES,
+) -> str | None:
+    """Why ``t`` must not be trained on, or None when it is fine. Nothing a trajectory carries may
+    end a run: whatever would fail the step later is refused here.
 
     Refused: ``error`` set, a non-finite ``score`` or ``baseline_score``, an empty response or
     prompt, a negative token id, ``rollout_log_probs``/``ref_log_probs`` whose length is not the
-    response length or that hold NaN/inf; with ``needs_ref`` (the run's KL needs the reference),
-    no ``ref_log_probs``: a replica configured without a reference service must not stop the run;
-    with ``needs_baseline`` (``algorithm.adv_estimator=remax``), no ``baseline_score``.
-    The reason starts with the field name.
+    response length or that hold NaN/inf; more than ``max_bytes``; a prompt or response longer
+    than ``max_prompt_length``/``max_response_length`` (the configured limits, when given); a token
+    id at or past ``vocab_size`` (the model's, when given); a score or baseline past
+    +-``MAX_ABS_SCORE``; a log-prob above 0 (``LOG_PROB_SLACK``) or below ``MIN_LOG_PROB``; with
+    ``needs_ref`` (the run's KL needs the reference), no ``ref_log_probs``: a replica configured
+    without a reference service must not stop the run; with ``needs_baseline``
+    (``algorithm.adv_estimator=remax``), no ``baseline_score``. The reason starts with the field name.
     """
     problem = _problem(t)
+    if problem is None:
+        problem = _bounds_problem(t, vocab_size, max_prompt_length, max_response_length, max_bytes)
     if problem is None and needs_ref and not t.ref_log_probs:
         problem = (
             "ref_log_probs",

@@ -1,5 +1,7 @@
 """Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once; with dynamic
-sampling only the groups ``keep_group`` keeps. docs/reliability.md#collecting-a-step"""
+sampling only the groups ``keep_group`` keeps. A trajectory ``validate`` refuses is dead-lettered with
+the reason and counts as a lost sample of its group: nothing one carries ends the run.
+docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class BatchCollector:
         self.counts = {"stale": 0, "old_incarnation": 0, "abandoned_group": 0, "invalid": 0, "duplicates": 0}
         self._held: set[str] = set()  # uids claimed and not yet committed: a second copy is redundant
 
-    def _add(
+    async def _add(
         self, traj: Trajectory, entry_id: bytes, version: int, stale_groups: dict[str, Trajectory]
     ) -> None:
         if incarnation_of(traj.group_uid) != self.incarnation:
@@ -90,14 +92,16 @@ class BatchCollector:
             self._discard(traj, entry_id)
             return
         group = self.groups.setdefault(traj.group_uid, Group())
-        group.entry_ids.append(entry_id)
         reason = self.validate(traj)
         if reason is not None:
             self.counts["invalid"] += 1
             group.dropped += 1
+            # Its uid is marked used with the step, so another copy of it is not trained on either.
             self._discarded_uids.append(traj.uid)
-            log.error("dropping trajectory %s: %s", traj.uid, reason)
+            why = f"invalid: {reason} (trajectory {traj.uid} of replica {traj.replica_id!r})"
+            await self.collector.queue.dead_letter_message(entry_id, traj, why, 1)
             return
+        group.entry_ids.append(entry_id)
         group.trajectories.append(traj)
 
     def _discard(self, traj: Trajectory, entry_id: bytes) -> None:
@@ -151,7 +155,7 @@ class BatchCollector:
                     redundant.append(eid)
                     continue
                 self._held.add(traj.uid)
-                self._add(traj, eid, version, stale_groups)
+                await self._add(traj, eid, version, stale_groups)
             if redundant:
                 self.counts["duplicates"] += len(redundant)
                 await self.collector.queue.ack(redundant)

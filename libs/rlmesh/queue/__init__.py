@@ -21,7 +21,8 @@ def prompt_queue(
     redis: aioredis.Redis, keys: RunKeys, consumer: str, **kw: Any
 ) -> StreamQueue[trajectory_pb2.PromptTask]:
     """The prompt stream: the learner puts, rollout replicas claim as the ``rollout`` group.
-    Keyword arguments (maxlen, max_deliveries, claim_idle_ms, metrics) go to ``StreamQueue``."""
+    Keyword arguments (maxlen, max_deliveries, claim_idle_ms, metrics) go to ``StreamQueue``; the
+    signer is ``keys.signer``."""
     return _run_stream(redis, keys.prompts, ROLLOUT_GROUP, consumer, trajectory_pb2.PromptTask, keys, kw)
 
 
@@ -42,6 +43,7 @@ def _run_stream(
     kw: dict[str, Any],
 ) -> Any:
     kw.setdefault("maxlen", 100_000)
+    kw.setdefault("signer", keys.signer)  # the run's entries are signed when its keys carry a signer
     return StreamQueue(
         redis, stream, group, consumer, message_type, dead_letter_stream=keys.dead_letters, **kw
     )

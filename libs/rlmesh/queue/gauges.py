@@ -108,5 +108,6 @@ class RunQueueGauges:
         # Read-only: the index may hold ids whose registration expired; the learner prunes them.
         if not ids:
             return 0
-        values = await self.redis.mget([self.keys.replica(i.decode()) for i in ids])
+        # An id that is not text (written by something else) must not end the refresh.
+        values = await self.redis.mget([self.keys.replica(i.decode(errors="replace")) for i in ids])
         return sum(v is not None for v in values)

@@ -1,10 +1,13 @@
 """Redis key names. Every key carries the run id, in a hash tag so a Redis Cluster keeps one
-run's keys on one slot: two runs on one Redis never see each other's messages."""
+run's keys on one slot: two runs on one Redis never see each other's messages. ``RunKeys`` also
+carries the run's signer (queue/signing.py), so whatever is built from them signs and checks."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from rlmesh.queue.signing import Signer, signer_for
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -12,6 +15,13 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 @dataclass(frozen=True)
 class RunKeys:
     run_id: str
+    # Signs what the run's services write and checks what they read; None: the run has no token.
+    signer: Signer | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def signed(cls, run_id: str, token: str | None) -> RunKeys:
+        """The run's keys with the signer ``token`` gives (``rlmesh.auth_token``; None: unsigned)."""
+        return cls(run_id, signer_for(token, run_id))
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):

@@ -52,7 +52,7 @@ class RunLease:
             holder = await self.redis.get(self.key)
             if time.monotonic() > deadline:
                 raise LeaseHeldError(
-                    f"{self.key} is held by another {self.what} ({(holder or b'?').decode()}), which keeps "
+                    f"{self.key} is held by another {self.what} ({(holder or b'?').decode(errors='replace')}), which keeps "
                     f"renewing it: one {self.what} per run id; stop that one or use another rlmesh.run_id"
                 )
             if not announced:

@@ -95,4 +95,5 @@ async def publish_config(redis: aioredis.Redis, keys: RunKeys, config_yaml: str)
 
 async def read_config(redis: aioredis.Redis, keys: RunKeys) -> str | None:
     value = await redis.get(config_key(keys))
-    return None if value is None else value.decode()
+    # Shown, never parsed here: bytes that are not text must not fail the reader.
+    return None if value is None else value.decode(errors="replace")

@@ -1,4 +1,6 @@
-"""A typed work queue on a Redis Stream with a consumer group: at-least-once delivery.
+"""A typed work queue on a Redis Stream with a consumer group: at-least-once delivery. With a
+signer every entry carries a tag of its payload, and an entry without a good one is dead-lettered
+unread, as is one that is oversized, undecodable or redelivered too often.
 
 docs/reliability.md#streams"""
 
@@ -16,16 +18,24 @@ from google.protobuf.message import DecodeError, Message
 from prometheus_client import CollectorRegistry, Counter
 from redis.exceptions import RedisError, ResponseError
 
+from rlmesh.queue.signing import INVALID, UNDECODABLE, UNSIGNED, UNTRUSTED, Signer
+
 log = logging.getLogger("rlmesh.queue")
 
 M = TypeVar("M", bound=Message)
 
 PAYLOAD = b"p"
+TAG = b"s"  # the payload's tag (signing.Signer.tag over the stream name and the payload)
 DEAD_LETTER_MAXLEN = 100_000
+# The largest payload a consumer decodes. A trajectory of 32k prompt and 32k response tokens with
+# both log-probs is under 1 MiB; 64 MiB (the gRPC request limit's default) leaves room for long
+# texts and still bounds what one entry can make a consumer hold in memory.
+MAX_PAYLOAD_BYTES = 64 << 20
 
-# Check-and-add in one step so concurrent producers cannot overshoot maxlen together.
+# Check-and-add in one step so concurrent producers cannot overshoot maxlen together. ARGV: maxlen,
+# then a payload and its tag per entry (an empty tag: the entry goes unsigned).
 _PUT_SCRIPT = """
-local n = #ARGV - 1
+local n = (#ARGV - 1) / 2
 local maxlen = tonumber(ARGV[1])
 local len = redis.call('XLEN', KEYS[1])
 if len + n > maxlen then
@@ -33,7 +43,12 @@ if len + n > maxlen then
 end
 local ids = {}
 for i = 1, n do
-  ids[i] = redis.call('XADD', KEYS[1], '*', 'p', ARGV[i + 1])
+  local payload, tag = ARGV[2 * i], ARGV[2 * i + 1]
+  if tag == '' then
+    ids[i] = redis.call('XADD', KEYS[1], '*', 'p', payload)
+  else
+    ids[i] = redis.call('XADD', KEYS[1], '*', 'p', payload, 's', tag)
+  end
 end
 return ids
 """
@@ -98,7 +113,11 @@ class StreamQueue(Generic[M]):
         max_deliveries: int = 3,
         claim_idle_ms: int = 60_000,
         metrics: QueueMetrics | None = None,
+        signer: Signer | None = None,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
+        """``signer``: tags what ``put`` adds and checks what ``claim`` hands out (None: neither);
+        ``max_payload_bytes``: larger entries are dead-lettered undecoded."""
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         self.redis = redis
@@ -111,6 +130,8 @@ class StreamQueue(Generic[M]):
         self.max_deliveries = max_deliveries
         self.claim_idle_ms = claim_idle_ms
         self.metrics = metrics
+        self.signer = signer
+        self.max_payload_bytes = max_payload_bytes
         self._put = redis.register_script(_PUT_SCRIPT)
         self._read_own_pending = True
         # Where the read of own pending entries goes on: each read starts after the last entry the
@@ -136,10 +157,12 @@ class StreamQueue(Generic[M]):
         """Adds messages in order; all or none. Raises ``QueueFullError`` past ``maxlen``."""
         if not messages:
             return []
+        args: list[bytes | int] = [self.maxlen]
+        for m in messages:
+            payload = m.SerializeToString()
+            args += [payload, self.signer.tag(self.stream, payload) if self.signer else b""]
         try:
-            ids = await self._put(
-                keys=[self.stream], args=[self.maxlen, *(m.SerializeToString() for m in messages)]
-            )
+            ids = await self._put(keys=[self.stream], args=args)
         except ResponseError as e:
             if str(e).startswith("QUEUE_FULL"):
                 _, length, adding, maxlen = str(e).split()
@@ -224,28 +247,43 @@ class StreamQueue(Generic[M]):
         themselves. Until then ``claim`` treats them as held by this process."""
         self._held.difference_update(entry_ids)
 
-    async def dead_letter(self, entry_id: bytes, payload: bytes | None, reason: str, deliveries: int) -> None:
-        """Moves an entry to the dead-letter stream with the reason, atomically with its ack."""
+    async def dead_letter(
+        self,
+        entry_id: bytes,
+        payload: bytes | None,
+        reason: str,
+        deliveries: int,
+        tag: bytes | None = None,
+    ) -> None:
+        """Moves an entry to the dead-letter stream with the reason, atomically with its ack.
+        ``tag``: the entry's own, kept so that a replay is checked as the entry was (a replay can
+        never make a forged entry pass)."""
         log.error("dead-lettering %s %s: %s", self.stream, entry_id, reason)
+        fields: dict[bytes, bytes | str | int] = {
+            b"stream": self.stream,
+            b"entry_id": entry_id,
+            b"reason": reason,
+            b"deliveries": deliveries,
+            PAYLOAD: payload or b"",
+        }
+        if tag:
+            fields[TAG] = tag
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(
-                self.dead_letter_stream,
-                {
-                    b"stream": self.stream,
-                    b"entry_id": entry_id,
-                    b"reason": reason,
-                    b"deliveries": deliveries,
-                    PAYLOAD: payload or b"",
-                },
-                maxlen=DEAD_LETTER_MAXLEN,
-                approximate=True,
-            )
+            pipe.xadd(self.dead_letter_stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
             pipe.xack(self.stream, self.group, entry_id)
             pipe.xdel(self.stream, entry_id)
             await pipe.execute()
         self.forget([entry_id])
         if self.metrics:
             self.metrics.dead_lettered.labels(self._label, reason.split(":", 1)[0]).inc()
+
+    async def dead_letter_message(self, entry_id: bytes, message: M, reason: str, deliveries: int) -> None:
+        """Dead-letters an entry ``claim`` handed out (so one the signer vouched for) that its
+        consumer cannot use: tagged afresh, so a replay is refused for its reason again, not as
+        unsigned. Never for an entry ``claim`` refused: that one keeps the tag it came with."""
+        payload = message.SerializeToString()
+        tag = self.signer.tag(self.stream, payload) if self.signer else None
+        await self.dead_letter(entry_id, payload, reason, deliveries, tag)
 
     async def length(self) -> int:
         """Entries not yet acknowledged (waiting or being worked on)."""
@@ -265,7 +303,7 @@ class StreamQueue(Generic[M]):
         first."""
         out: list[DeadLetter[M]] = []
         for _, fields in await self.redis.xrevrange(self.dead_letter_stream, count=count):
-            if fields.get(b"stream", b"").decode() != self.stream:
+            if fields.get(b"stream", b"").decode(errors="replace") != self.stream:
                 continue
             message = None
             with contextlib.suppress(DecodeError):
@@ -364,7 +402,7 @@ class StreamQueue(Generic[M]):
         if not rows:
             return []
         ids = [row["message_id"] for row in rows]
-        own = {row["message_id"] for row in rows if row["consumer"].decode() == self.consumer}
+        own = {row["message_id"] for row in rows if row["consumer"].decode(errors="replace") == self.consumer}
         # XCLAIM re-checks the idle time, so two consumers racing for one entry cannot both win,
         # and counts a delivery, so an entry that keeps getting lost ends in the dead letters.
         entries = await self.redis.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, ids)
@@ -436,9 +474,18 @@ class StreamQueue(Generic[M]):
                 # Deleted while pending (already acked elsewhere): nothing left to do.
                 await self.ack([eid])
                 continue
-            payload = fields.get(PAYLOAD)
+            payload, tag = fields.get(PAYLOAD), fields.get(TAG)
             if payload is None:
+                UNTRUSTED.count(self._label, UNDECODABLE, f"{self.stream} {eid!r} has no payload")
                 await self.dead_letter(eid, None, f"malformed: entry has no '{PAYLOAD.decode()}' field", n)
+                continue
+            problem = self._untrusted(payload, tag)
+            if problem is not None:
+                cause, reason = problem
+                UNTRUSTED.count(self._label, cause, f"{self.stream} {eid!r}: {reason}")
+                # An oversized payload is not copied: the dead letters would hold it as long.
+                kept = b"" if cause == INVALID else payload
+                await self.dead_letter(eid, kept, reason, n, tag)
                 continue
             if n > self.max_deliveries:
                 await self.dead_letter(
@@ -446,19 +493,35 @@ class StreamQueue(Generic[M]):
                     payload,
                     f"redelivered: handed out {n} times without an ack (max_deliveries={self.max_deliveries})",
                     n,
+                    tag,
                 )
                 continue
             try:
                 message = self.message_type.FromString(payload)
             except DecodeError as e:
+                UNTRUSTED.count(self._label, UNDECODABLE, f"{self.stream} {eid!r}: {e}")
                 await self.dead_letter(
-                    eid, payload, f"undecodable: not a {self.message_type.__name__}: {e}", n
+                    eid, payload, f"undecodable: not a {self.message_type.__name__}: {e}", n, tag
                 )
                 continue
             out.append(Delivery(entry_id=eid, message=message, deliveries=n))
         if out and self.metrics:
             self.metrics.delivered.labels(self._label, how).inc(len(out))
         return out
+
+    def _untrusted(self, payload: bytes, tag: bytes | None) -> tuple[str, str] | None:
+        """(cause, dead-letter reason) when the entry must not be decoded: too large, or not
+        vouched for by the signer; None when it may."""
+        if len(payload) > self.max_payload_bytes:
+            return INVALID, f"oversized: {len(payload)} bytes, more than {self.max_payload_bytes}"
+        if self.signer is None:
+            return None
+        cause = self.signer.check(self.stream, payload, tag)
+        if cause == UNSIGNED:
+            return cause, f"{UNSIGNED}: no tag, and this run signs its entries"
+        if cause is not None:
+            return cause, f"{cause}: the tag was not made with this run's key"
+        return None
 
 
 def _entries(reply: object) -> list[tuple[bytes, dict | None]]:

@@ -1,34 +1,86 @@
 """The run's reward address list in Redis: ``rlmesh:{<run>}:reward_addresses``, one JSON array of
 ``host:port``, so a swap is one atomic SET and every replica's reward client follows it within
-``cache_s`` without a restart."""
+``cache_s`` without a restart. Given the run's keys with a signer, the list is signed when set and
+read only when the signer vouches for it (and every address has a service's form): the reward
+client sends the token to these addresses. Else a client keeps to its configured addresses."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from rlmesh.queue.keys import RunKeys
+from rlmesh.queue.peers import check_peer_address
+from rlmesh.queue.signing import INVALID, UNDECODABLE, UNTRUSTED, Signer, unwrap, wrap
 from rlmesh.runtime.addresses import RedisAddresses, get_addresses, set_addresses
 
 REWARD_ADDRESSES = "reward_addresses"
+WHAT = "reward_addresses"
 
 
-def reward_addresses_key(run_id: str) -> str:
-    return RunKeys(run_id).scoped(REWARD_ADDRESSES)
+def _keys(run: str | RunKeys) -> RunKeys:
+    return run if isinstance(run, RunKeys) else RunKeys(run)
+
+
+def reward_addresses_key(run: str | RunKeys) -> str:
+    return _keys(run).scoped(REWARD_ADDRESSES)
+
+
+class _TrustedReads:
+    """The one read ``RedisAddresses`` makes (``get``), answering None for a list the signer does
+    not vouch for, or that names something other than a service: as if none were set."""
+
+    def __init__(self, redis: Any, signer: Signer | None) -> None:
+        self.redis = redis
+        self.signer = signer
+
+    async def get(self, key: str) -> bytes | None:
+        value = await self.redis.get(key)
+        if value is None:
+            return None
+        payload = unwrap(self.signer, key, value, WHAT)
+        if payload is None:
+            return None
+        try:
+            listed = json.loads(payload)
+        except (ValueError, UnicodeDecodeError) as e:
+            UNTRUSTED.count(WHAT, UNDECODABLE, f"{key} is not a JSON list: {e}")
+            return None
+        try:
+            if not isinstance(listed, list):
+                raise ValueError("not a JSON array")
+            for address in listed:
+                check_peer_address(address)
+        except ValueError as e:
+            UNTRUSTED.count(WHAT, INVALID, f"{key}: {e}")
+            return None
+        return payload
 
 
 def reward_address_source(
-    redis: Any, run_id: str, *, fallback: Sequence[str] = (), cache_s: float = 0.5
+    redis: Any, run: str | RunKeys, *, fallback: Sequence[str] = (), cache_s: float = 0.5
 ) -> RedisAddresses:
-    """The addresses a reward client calls: the run's list in Redis, else ``fallback``."""
-    return RedisAddresses(redis, reward_addresses_key(run_id), fallback=fallback, cache_s=cache_s)
+    """The addresses a reward client calls: the run's list in Redis, else ``fallback``. ``run``:
+    the run's keys (their signer checks the list) or its id (no check: a run without a token)."""
+    keys = _keys(run)
+    reads = _TrustedReads(redis, keys.signer)
+    return RedisAddresses(reads, reward_addresses_key(keys), fallback=fallback, cache_s=cache_s)
 
 
-async def set_reward_addresses(redis: Any, run_id: str, addresses: Sequence[str]) -> list[str]:
-    """Points every reward client of the run at ``addresses`` (they follow within ``cache_s``)."""
-    return await set_addresses(redis, reward_addresses_key(run_id), addresses)
+async def set_reward_addresses(redis: Any, run: str | RunKeys, addresses: Sequence[str]) -> list[str]:
+    """Points every reward client of the run at ``addresses`` (they follow within ``cache_s``);
+    signed with the signer of ``run`` when it has one."""
+    keys = _keys(run)
+    checked = [check_peer_address(a) for a in addresses]
+    if keys.signer is None or not checked:
+        return await set_addresses(redis, reward_addresses_key(keys), checked)
+    key = reward_addresses_key(keys)
+    await redis.set(key, wrap(keys.signer, key, json.dumps(checked).encode()))
+    return checked
 
 
-async def get_reward_addresses(redis: Any, run_id: str) -> list[str] | None:
-    """The run's reward address list in Redis, or None when none is set."""
-    return await get_addresses(redis, reward_addresses_key(run_id))
+async def get_reward_addresses(redis: Any, run: str | RunKeys) -> list[str] | None:
+    """The run's reward address list in Redis, or None when none is set (or none to trust)."""
+    keys = _keys(run)
+    return await get_addresses(_TrustedReads(redis, keys.signer), reward_addresses_key(keys))

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlmesh.queue.keys import RunKeys
 from rlmesh.reward.addresses import reward_address_source
 from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller
@@ -49,7 +50,8 @@ class RewardClient:
         fallback = section.client_addresses()
         source: AddressSource
         if redis is not None and cfg.rlmesh.run_id:
-            source = reward_address_source(redis, cfg.rlmesh.run_id, fallback=fallback)
+            keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
+            source = reward_address_source(redis, keys, fallback=fallback)
         else:
             source = StaticAddresses(fallback)
         kwargs.setdefault("token", cfg.rlmesh.auth_token)

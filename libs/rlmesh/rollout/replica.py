@@ -1,6 +1,7 @@
 """One rollout replica: its engine, the sampler loop, the registry heartbeat and the Rollout servicer.
 docs/design.md#rollout-replica describes its life: join (catch up to the run's weights), claim,
-generate, score, publish; leave on SIGTERM, or at once with exit 3 when its engine is lost."""
+generate, score, publish; leave on SIGTERM, or at once with exit 3 when its engine is lost. With a
+token, what it writes to Redis is signed and what it reads must be (``RunKeys.signed``)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import redis.asyncio as aioredis
 from rlmesh.config import RLMeshConfig
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
-from rlmesh.queue.policy import read_policy
+from rlmesh.queue.policy import PolicyState, inside_roots, read_policy
+from rlmesh.queue.signing import INVALID, UNTRUSTED
 from rlmesh.reference.client import ReferenceClient
 from rlmesh.reward.client import RewardClient
-from rlmesh.rollout.engines import RunningEngine, sglang_rollout_args, start_engine
+from rlmesh.rollout.engines import RunningEngine, engine_http_args, sglang_rollout_args, start_engine
 from rlmesh.rollout.gpu_slots import GpuClaim, claim_gpus, visible_gpu_uuids
 from rlmesh.rollout.resilience import CircuitBreaker
 from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, parse_version
@@ -80,6 +82,23 @@ def sglang_extra_args(cfg: RLMeshConfig) -> list[str]:
     return [*knobs, *rollout.sglang.extra_args]
 
 
+def engine_names(cfg: RLMeshConfig) -> list[str]:
+    """The names the learner reaches this replica's engine by: the replica's advertised host, and
+    the host of ``rlmesh.sampler.engine_advertise_url``."""
+    rollout = cfg.rlmesh.rollout
+    names = [
+        advertised_host(
+            rollout.host,
+            advertise=rollout.advertise_address,
+            key="rlmesh.rollout.advertise_address",
+            redis_url=cfg.rlmesh.redis_url,
+        )
+    ]
+    if cfg.rlmesh.sampler.engine_advertise_url:
+        names.append(urlsplit(cfg.rlmesh.sampler.engine_advertise_url).hostname or "")
+    return [n for n in names if n]
+
+
 async def start_replica_engine(
     cfg: RLMeshConfig, launcher: ProcessLauncher, replica_id: str, gpus: list[str] | None = None
 ) -> RunningEngine:
@@ -107,7 +126,32 @@ async def start_replica_engine(
         override_config=model.override_config,
         gpus=gpus,
         allow_open_bind=cfg.rlmesh.security.allow_open_bind,
+        http_args=engine_http_args(cfg.rlmesh.security, engine_names(cfg)),
     )
+
+
+def weights_roots(cfg: RLMeshConfig) -> list[str]:
+    """The directories a policy record may point a joining replica into: the learner's checkpoints
+    (``trainer.default_local_dir``) and the disk transport's ``rlmesh.weight_sync.disk_dir``."""
+    roots = [cfg.trainer.default_local_dir]
+    if cfg.rlmesh.weight_sync.disk_dir:
+        roots.append(cfg.rlmesh.weight_sync.disk_dir)
+    return roots
+
+
+async def weights_to_join(
+    redis: aioredis.Redis, keys: RunKeys, roots: list[str], held_version: int
+) -> PolicyState | None:
+    """The run's policy record when a replica holding ``held_version`` should load its disk snapshot
+    before taking work: newer, signed (``read_policy``), and inside ``roots``. None otherwise: the
+    learner's next push brings the replica up instead."""
+    policy = await read_policy(redis, keys)
+    if policy.version <= held_version or not policy.disk_path:
+        return None
+    if not inside_roots(policy.disk_path, roots):
+        UNTRUSTED.count("policy", INVALID, f"weights at {policy.disk_path!r}, outside the run's {roots}")
+        return None
+    return policy
 
 
 async def claim_replica_gpus(cfg: RLMeshConfig, redis: aioredis.Redis, keys: RunKeys) -> GpuClaim | None:
@@ -147,7 +191,7 @@ class RolloutReplica:
         self.cfg = cfg
         self.gpu_claim = gpu_claim  # held while its SGLang runs on the GPUs it claimed
         self.replica_id = replica_id
-        self.keys = RunKeys(cfg.rlmesh.run_id)
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
         self.redis = redis
         self.launcher = launcher
         self.engine = engine
@@ -189,7 +233,7 @@ class RolloutReplica:
             raise ValueError("rlmesh.run_id is required: replicas of one run share its queues")
         s = cfg.rlmesh.sampler
         replica_id = s.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-        keys = RunKeys(cfg.rlmesh.run_id)
+        keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
         redis = connect(cfg.rlmesh.redis_url)
         launcher = ProcessLauncher(stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s)
         gpu_claim = await claim_replica_gpus(cfg, redis, keys)
@@ -244,8 +288,13 @@ class RolloutReplica:
     async def load_run_weights(self) -> None:
         client = self.engine.client
         self.sampler.policy_version = parse_version((await client.model_info()).get("weight_version"))
-        policy = await read_policy(self.redis, self.keys)
-        if policy.version > self.sampler.policy_version and policy.disk_path:
+        policy = await weights_to_join(
+            self.redis,  # type: ignore[arg-type]
+            self.keys,
+            weights_roots(self.cfg),
+            self.sampler.policy_version,
+        )
+        if policy is not None:
             log.info("joining at policy version %d: loading %s", policy.version, policy.disk_path)
             await client.update_weights_from_disk(policy.disk_path, str(policy.version))
             self.sampler.policy_version = policy.version
@@ -278,7 +327,7 @@ class RolloutReplica:
         if self.engine.process is None:
             return self.engine.url
         port = urlsplit(self.engine.url).port
-        return f"http://{bracket(self.advertise_host)}:{port}"
+        return f"{urlsplit(self.engine.url).scheme}://{bracket(self.advertise_host)}:{port}"
 
     async def start(self, grpc_address: str) -> None:
         """``grpc_address``: what peers dial for its Rollout service (the service's advertised address)."""

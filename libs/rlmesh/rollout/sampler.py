@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_forever
 from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
+from rlmesh.queue.signing import expose_untrusted
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
@@ -170,6 +171,8 @@ class SamplerMetrics:
             self.retries.labels(dependency)
         for dependency in DEPENDENCIES[:3]:
             self.breaker_open.labels(dependency)
+        if registry is not None:  # what this replica read from Redis and did not trust
+            expose_untrusted(registry)
 
 
 @dataclass
@@ -419,9 +422,7 @@ class SamplerLoop:
         self.metrics.tasks.labels("failed").inc()
         reason = f"failed: {type(error).__name__}: {error}"[:2000]
         await retry_forever(
-            lambda: self.prompts.dead_letter(
-                delivery.entry_id, task.SerializeToString(), reason, delivery.deliveries
-            ),
+            lambda: self.prompts.dead_letter_message(delivery.entry_id, task, reason, delivery.deliveries),
             f"dead-letter {task.uid}",
         )
 

@@ -1,13 +1,16 @@
 """Batch collection for a learner step against a real Redis."""
 
+import functools
 import math
 import uuid
 
 import pytest
 
+from rlmesh.learner.batch import validate_trajectory
 from rlmesh.learner.collect import BatchCollector
 from rlmesh.learner.feeder import PromptFeeder, group_uid, incarnation_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
+from rlmesh.queue.signing import signer_for
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 from tests.support.data import prompt_items
@@ -113,6 +116,48 @@ async def test_stale_old_incarnation_invalid_and_duplicate_trajectories_are_filt
         await collector.collect(1, version=5, timeout_s=1, requeue=requeue)
     assert await learner.length() == 0 and await learner.pending() == 0
     assert await collector.collector.used([f"{fresh}/0", f"{bad}/1"]) == [True, True]
+    await redis.aclose()
+
+
+async def test_forged_and_bad_trajectories_are_dead_lettered_and_the_rest_of_the_batch_collected(redis_url):
+    # The run has a token: its replicas sign. A forger with access to Redis but not the token sends
+    # a better-scored copy of a sample of an outstanding group; a replica (a bug, a bad model) sends
+    # a token id past the vocabulary and a score of 1e30. None of it is trained on; the step goes on.
+    redis = connect(redis_url)
+    keys = RunKeys.signed(f"v-{uuid.uuid4().hex[:6]}", "collect-token")
+    producer = trajectory_queue(redis, keys, "replica")
+    forger = trajectory_queue(redis, RunKeys(keys.run_id, signer_for("guess", keys.run_id)), "forger")
+    learner = trajectory_queue(redis, keys, "learner-0")
+    await learner.ensure_group()
+    collector = BatchCollector(
+        TrajectoryCollector(learner, keys.used_uids),
+        n=2,
+        incarnation=3,
+        max_staleness=0,
+        validate=functools.partial(
+            validate_trajectory, vocab_size=32, max_prompt_length=4, max_response_length=4
+        ),
+    )
+    a, b, c = (group_uid(3, 1, i) for i in range(3))
+    forged = group(a, 1, score=100.0)
+    await forger.put(forged)  # arrives first, for a group the learner waits for
+    far_token, huge_score = group(b, 2), group(c, 2)
+    far_token[1].response_ids[:] = [1, 32]
+    huge_score[1].score = 1e30
+    await producer.put(group(a, 2) + far_token + huge_score)
+
+    batch = await collector.collect(3, version=1, timeout_s=30, requeue=no_requeue)
+    assert sorted(t.uid for t in batch.trajectories) == [f"{a}/0", f"{a}/1", f"{b}/0", f"{c}/0"]
+    assert all(t.score == 1.0 for t in batch.trajectories)  # the forger's 100.0 is not among them
+    assert batch.counts["invalid"] == 2 and set(batch.groups) == {a, b, c}
+    dead = {d.message.uid: d.reason for d in await learner.dead_letters()}
+    assert dead[f"{a}/0"].startswith("bad_signature: ")
+    assert dead[f"{b}/1"].startswith("invalid: response_ids: holds token id 32")
+    assert dead[f"{c}/1"].startswith("invalid: score: 1e+30")
+    await collector.commit(batch)
+    assert await learner.length() == 0 and await learner.pending() == 0
+    # The refused samples' uids are used: a later copy of them is not trained on either.
+    assert await collector.collector.used([f"{b}/1", f"{c}/1"]) == [True, True]
     await redis.aclose()
 
 

@@ -233,7 +233,10 @@ async def test_a_replica_joining_mid_run_loads_the_current_weights_first(stack, 
     redis = connect(redis_server.url)
     try:
         await publish_policy(redis, RunKeys(RUN), version=5, disk_path=str(newer))
-        joiner = start_replica(launcher, overrides, "joiner")
+        # A replica loads a snapshot only from inside the run's weights (or checkpoint) directory.
+        joiner = start_replica(
+            launcher, [*overrides, f"rlmesh.weight_sync.disk_dir={newer.parent}"], "joiner"
+        )
         async with grpc.aio.insecure_channel(joiner.grpc_address) as ch:
             info = await rollout_pb2_grpc.RolloutStub(ch).GetInfo(common_pb2.Empty())
         assert info.policy_version == 5

@@ -2,7 +2,8 @@
 replica (its embedded engine behind the token) generates a task's samples and the learner's weight
 pusher, its engine clients made as the learner makes them (the token from the environment that
 every service exports), pushes new weights that the engine then serves. Neither secret reaches a
-command line (the engine's included) or a log."""
+command line (the engine's included) or a log. What the replica writes to Redis is signed with the
+run's key, and a task that is not (written by someone without the token) is dead-lettered unread."""
 
 import asyncio
 import uuid
@@ -15,6 +16,7 @@ from rlmesh.job.report import engine_server_info
 from rlmesh.learner.weight_push import WeightPusher
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
+from rlmesh.queue.signing import SIGNED_PREFIX
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
@@ -48,25 +50,28 @@ async def generate_and_push(redis_url: str, target_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     redis = connect(redis_url)
+    keys = RunKeys.signed(RUN, TOKEN)  # as the learner makes them
     try:
-        [replica] = await ReplicaRegistry(redis, RunKeys(RUN)).live()
-        prompts = prompt_queue(redis, RunKeys(RUN), "learner")
+        [replica] = await ReplicaRegistry(redis, keys).live()
+        assert (await redis.get(keys.replica(replica.replica_id))).startswith(SIGNED_PREFIX)
+
+        def task(uid: str) -> trajectory_pb2.PromptTask:
+            return trajectory_pb2.PromptTask(
+                uid=uid,
+                group_uid=uid,
+                n=2,
+                prompt_ids=[30, 31, 32],
+                ground_truth="2",
+                data_source="arithmetic",
+                step=1,
+                sampling_params=common_pb2.SamplingParams(),
+            )
+
+        prompts = prompt_queue(redis, keys, "learner")
         await prompts.ensure_group()
-        await prompts.put(
-            [
-                trajectory_pb2.PromptTask(
-                    uid="t1",
-                    group_uid="t1",
-                    n=2,
-                    prompt_ids=[30, 31, 32],
-                    ground_truth="2",
-                    data_source="arithmetic",
-                    step=1,
-                    sampling_params=common_pb2.SamplingParams(),
-                )
-            ]
-        )
-        learner = trajectory_queue(redis, RunKeys(RUN), "learner")
+        await prompt_queue(redis, RunKeys(RUN), "intruder").put([task("forged")])
+        await prompts.put([task("t1")])
+        learner = trajectory_queue(redis, keys, "learner")
         await learner.ensure_group()
         got: list[trajectory_pb2.Trajectory] = []
         while len(got) < 2:
@@ -75,6 +80,8 @@ async def generate_and_push(redis_url: str, target_dir: Path) -> None:
             got += [d.message for d in batch]
         assert sorted(t.uid for t in got) == ["t1/0", "t1/1"]
         assert all(len(t.response_ids) == 8 and not t.HasField("error") for t in got)
+        [dead] = await prompts.dead_letters()
+        assert dead.message.uid == "forged" and dead.reason.startswith("unsigned: ")
 
         tokenless = EngineClient(replica.engine_url, timeout_s=60, token="")
         with pytest.raises(EngineError, match="answered 401"):

@@ -102,6 +102,42 @@ def test_bad_trajectories_are_refused_naming_uid_and_field(kwargs, field):
     assert "bad/1" in str(info.value) and field in str(info.value)
 
 
+LIMITS = {"vocab_size": 10, "max_prompt_length": 3, "max_response_length": 2}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"response": (4, 10)}, "response_ids"),  # token id == vocab size: past the embedding
+        ({"prompt": (1, 99_999_999, 3)}, "prompt_ids"),
+        ({"prompt": (1, 2, 3, 4)}, "prompt_ids"),  # past max_prompt_length
+        ({"response": (4, 5, 6)}, "response_ids"),
+        ({"score": 1e30}, "score"),
+        ({"score": -2e6}, "score"),
+        ({"baseline": 1e30}, "baseline_score"),
+        ({"rollout": (-0.5, 0.7)}, "rollout_log_probs"),  # a probability above 1
+        ({"ref": (-1e30, -1.0)}, "ref_log_probs"),
+    ],
+)
+def test_values_no_step_can_take_are_refused_before_they_reach_one(kwargs, field):
+    reason = validate_trajectory(traj("bad/1", **kwargs), **LIMITS)
+    assert reason is not None and reason.startswith(field)
+
+
+def test_the_limits_are_inclusive_and_rounding_above_zero_is_a_log_prob():
+    ok = traj(prompt=(0, 1, 9), response=(9, 8), score=1e6, rollout=(0.0, 5e-4), ref=(-9000.0, -1.0))
+    assert validate_trajectory(ok, **LIMITS) is None
+    # Without the limits given, the vocabulary and lengths are not checked.
+    assert validate_trajectory(traj(prompt=(1, 2, 3, 4), response=(4, 10))) is None
+
+
+def test_an_oversized_trajectory_is_refused():
+    big = traj(response=(4, 5))
+    big.response_text = "x" * 2000
+    assert validate_trajectory(big, max_bytes=4096) is None
+    assert validate_trajectory(big, max_bytes=1024).startswith("trajectory: ")
+
+
 def test_error_set_is_refused():
     t = traj("err/0")
     t.error.code = ErrorCode.ERROR_CODE_TIMEOUT
