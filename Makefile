@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -74,7 +74,7 @@ demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
 test: venv redis-server test-tools
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose and not sglang_contract and not e2e" --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose and not sglang_contract and not e2e and not security" --durations=25
 
 # Every whole-job test of tests/e2e (about 15 minutes on 2 cores; `make test` runs only the smoke one):
 # the demo's lift, rlmesh train on a user's own model and data, resume, the estimators and losses,
@@ -122,6 +122,11 @@ compose-test: venv redis-server
 		echo "docker.io, docker-compose or debootstrap is missing: installing them with apt"; \
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker.io docker-compose debootstrap; }
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m compose tests/e2e/test_compose.py
+
+# The attacker's suite (docs/security.md): a running job attacked on every port and through Redis
+# by someone without the token; it must refuse, go on, and leak no secret (about 5 minutes).
+security-test: venv redis-server
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m security tests/security
 
 # The chaos suite (whole jobs through kill -9 of every process and a network partition, about 10
 # minutes; not part of `make test`), printing how long each recovery took.

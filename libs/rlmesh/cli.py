@@ -71,7 +71,8 @@ def cmd_redis(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
-    from rlmesh.config import ConfigError, dump_yaml, keys_markdown_table, load_config
+    from rlmesh.config import ConfigError, keys_markdown_table, load_config
+    from rlmesh.config.loader import dump_public_yaml
 
     if args.action == "keys":
         print(keys_markdown_table())
@@ -85,7 +86,7 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"invalid configuration:\n{e}", file=sys.stderr)
         return 2
     if args.action == "show":
-        print(dump_yaml(cfg), end="")
+        print(dump_public_yaml(cfg), end="")  # secrets masked: output gets pasted into issues
         if plan is not None:  # as YAML comments: the output still loads as a config
             print("\n".join(f"# {line}" for line in plan.describe().splitlines()))
     else:

@@ -102,7 +102,10 @@ def test_the_gpu_recipe_compose_override_names_valid_configs():
     for name in SERVED:
         command = [expand(a) for a in services[name]["command"]]
         cfg = load_config(REPO / command[command.index("-c") + 1], command[command.index("-c") + 2 :])
-        assert cfg.rlmesh.redis_url == "redis://rlmesh@redis:6379/0" and getattr(cfg.rlmesh, name).host == "0.0.0.0"
+        assert (
+            cfg.rlmesh.redis_url == "redis://rlmesh@redis:6379/0"
+            and getattr(cfg.rlmesh, name).host == "0.0.0.0"
+        )
         assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.rlmesh.run_id == "gsm8k"
     assert services["prepare"]["build"]["args"]["EXTRAS"] == "gpu"
 

@@ -43,7 +43,7 @@ def start_control_stack(
     data = generate_arithmetic(
         root / "data", 0, train_size=64, val_size=4, min_terms=2, max_terms=2, max_operand=9, ops="+"
     )
-    redis = launcher.start_redis()
+    redis = launcher.start_redis(password="control-test-redis-pw")
     run_id = f"control-{uuid.uuid4().hex[:8]}"
     common = [
         f"rlmesh.run_id={run_id}",

@@ -1,24 +1,67 @@
-"""Secrets in the config (the auth token, a Redis URL with a password) stay out of argv, logs and
-files: a launcher hands them to its children in the environment, which only the same user can
-read, where argv is visible to every user in ``ps``."""
+"""Secrets in the config (the token, passwords) stay out of argv, logs and files: children get them
+in the environment, which only their user reads (``ps`` shows argv to all), and what is shown or
+stored of a config is :func:`public_config`."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
 
 # A child reads these overrides (a JSON list of ``key=value``) after those in its argv.
 SECRET_OVERRIDES_ENV = "RLMESH_SECRET_OVERRIDES"
 SECRET_KEYS = frozenset({"rlmesh.auth_token"})
-_SECRET_WORDS = ("token", "password", "passwd", "secret", "api_key")
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+MASK = "***"
+# A leaf named like a secret: ``token``/``*_token`` (not ``max_tokens``, a count), any password,
+# secret, api key or credential.
+_SECRET_LEAF = re.compile(r"(^|_)token$|password|passwd|secret|api_?key|credential", re.IGNORECASE)
+# ``scheme://user:password@``: the password runs to the last ``@`` before the path, so one with an
+# unencoded ``@`` is masked whole.
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s?#]*):(?P<password>[^/\s?#]*)@")
+# ``?password=…`` / ``&api_key=…`` (redis-py takes a password as a query parameter too).
+_URL_QUERY_SECRET = re.compile(
+    r"(?P<key>[?&][^=&#\s]*(?:token|password|passwd|pwd|secret|api_?key)[^=&#\s]*=)[^&#\s]*", re.IGNORECASE
+)
 
 
 def redact_url(text: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://user:***@host``, anywhere in ``text``."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    """``redis://user:pw@host`` -> ``redis://user:***@host`` and ``?password=pw`` -> ``?password=***``,
+    anywhere in ``text``."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    return _URL_QUERY_SECRET.sub(lambda m: f"{m['key']}{MASK}", text)
+
+
+def is_secret_key(key: str) -> bool:
+    """A dotted config key whose value is a secret: ``rlmesh.auth_token``, or any key whose leaf is
+    named like one (``hf_token``, ``redis_password``, ``client_secret``, ``api_key``)."""
+    key = key.strip().lstrip("+~")
+    return key in SECRET_KEYS or bool(_SECRET_LEAF.search(key.rsplit(".", 1)[-1]))
+
+
+def _redact(value: Any, key: str) -> Any:
+    if is_secret_key(key) and value not in (None, ""):
+        return MASK
+    if isinstance(value, Mapping):
+        return {k: _redact(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact(v, key) for v in value]
+    if isinstance(value, str):
+        return redact_url(value)
+    return value
+
+
+def public_config(config: BaseModel | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config as it may be shown or stored anywhere (the learner's published copy,
+    ``/api/v1/run/config``, a checkpoint's ``config.yaml``, the trackers): plain JSON data in which
+    every set secret (:func:`is_secret_key`) reads ``***`` and every password in a URL is masked.
+    ``config``: an ``RLMeshConfig`` or its ``model_dump(mode="json")``."""
+    if isinstance(config, BaseModel):
+        config = config.model_dump(mode="json")
+    return _redact(dict(config or {}), "")
 
 
 def is_secret_override(override: str) -> bool:
@@ -26,8 +69,7 @@ def is_secret_override(override: str) -> bool:
     key = key.strip().lstrip("+~")
     if not sep or key.startswith("-") or "." not in key:  # only rlmesh config overrides
         return False
-    leaf = key.rsplit(".", 1)[-1].lower()
-    return key in SECRET_KEYS or any(w in leaf for w in _SECRET_WORDS) or redact_url(value) != value
+    return is_secret_key(key) or redact_url(value) != value
 
 
 def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -55,6 +97,6 @@ def secret_overrides_from_env() -> list[str]:
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` fit for a log line: a secret override's value and URL passwords replaced."""
     return [
-        f"{a.partition('=')[0]}=***" if is_secret_override(a) and redact_url(a) == a else redact_url(a)
+        f"{a.partition('=')[0]}={MASK}" if is_secret_override(a) and redact_url(a) == a else redact_url(a)
         for a in argv
     ]

@@ -20,10 +20,10 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from rlmesh.config import RLMeshConfig
+from rlmesh.config.hparams import HPARAMS
 from rlmesh.control import fleet
 from rlmesh.control.alerts import prometheus_alerts
 from rlmesh.control.errors import ControlError
-from rlmesh.control.hparams import HPARAMS
 from rlmesh.control.metrics import ControlMetrics, RequestMetricsMiddleware
 from rlmesh.control.plane import ControlPlane
 from rlmesh.control.policy import Remedy

@@ -58,6 +58,8 @@ class AuditLog:
                 entry = json.loads(item)
             except ValueError:
                 continue
+            if not isinstance(entry, dict):  # whoever can write Redis may put anything there
+                continue
             if action is None or entry.get("action") == action:
                 out.append(entry)
             if len(out) >= limit:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.control.hparams import HPARAMS
+from rlmesh.config.hparams import HPARAMS
 from rlmesh.runtime.tls import client_ssl_context, export_tls, tls_from_env, tls_of
 
 ENV_URL = "RLMESH_CONTROL_URL"

@@ -1,7 +1,6 @@
-"""The run's moving parts as the control plane sees them: rollout replicas (the registry in Redis and
-each one's ``Rollout`` service), reward services (the address list replicas follow) and the queues
-with their dead letters. What it reads from Redis is checked with the signer of the keys it is given
-(``RunKeys.signed``): the token only goes to the addresses of entries the run signed."""
+"""The run's moving parts as the control plane sees them: replicas (registry and Rollout services),
+reward services and the queues with their dead letters; what it reads from Redis is checked with
+the signer of its keys (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,11 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import ResponseError
 
+from rlmesh.config.addresses import check_address
 from rlmesh.control.errors import ControlError, from_rpc_error
 from rlmesh.queue import ReplicaRegistry, RunKeys, prompt_queue, trajectory_queue
 from rlmesh.queue.streams import PAYLOAD, TAG
 from rlmesh.reward.addresses import get_reward_addresses, set_reward_addresses
-from rlmesh.runtime.addresses import check_address
 from rlmesh.runtime.auth import bearer_metadata
 from rlmesh.v1 import common_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import yaml
 
-from rlmesh.config import RLMeshConfig, dump_yaml
-from rlmesh.config.secrets import redact_url
+from rlmesh.config import RLMeshConfig
+from rlmesh.config.hparams import BY_KEY, HPARAMS, from_proto_values, problems
+from rlmesh.config.loader import dump_public_yaml
+from rlmesh.config.secrets import public_config
 from rlmesh.control.audit import AuditLog
 from rlmesh.control.errors import ControlError
-from rlmesh.control.hparams import BY_KEY, HPARAMS, from_proto_values, problems
 from rlmesh.control.learner_link import LearnerLink
 from rlmesh.control.policy import AutoResponder, Remedy
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect
@@ -40,7 +41,7 @@ def phase_name(status: learner_pb2.LearnerStatus) -> str:
 class ControlPlane:
     def __init__(self, cfg: RLMeshConfig, *, learner_address: str | None = None) -> None:
         self.cfg = cfg
-        self.keys = RunKeys(cfg.rlmesh.run_id or "default")
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.auth_token)
         self.token = cfg.rlmesh.auth_token
         self.redis = connect(cfg.rlmesh.redis_url)
         control = cfg.rlmesh.control
@@ -111,11 +112,10 @@ class ControlPlane:
         text = await read_config(self.redis, self.keys)
         source = "learner"
         if text is None:
-            public = self.cfg.model_copy(deep=True)
-            public.rlmesh.auth_token = None
-            public.rlmesh.redis_url = redact_url(public.rlmesh.redis_url)
-            text, source = dump_yaml(public), "control"
-        return {"source": source, "config": yaml.safe_load(text)}
+            text, source = dump_public_yaml(self.cfg), "control"
+        # Masked again: the copy in Redis may come from a learner that published more.
+        config = yaml.safe_load(text)
+        return {"source": source, "config": public_config(config) if isinstance(config, dict) else None}
 
     # ----- actions -----
     async def action(self, who: str, action: str, **kw: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 @dataclass(frozen=True)
 class Remedy:
     rule: str
-    hparam: str  # a name of rlmesh.control.hparams.HPARAMS
+    hparam: str  # a name of rlmesh.config.hparams.HPARAMS
     old: float
     new: float
     reason: str

@@ -1,14 +1,18 @@
-"""Atomic learner checkpoints: written by all ranks into a temporary directory, renamed when complete.
-
+"""Atomic learner checkpoints: written by all ranks into a temporary directory, renamed when complete;
+never unpickled (tensors load with weights_only=True, RNG and trainer state are JSON).
 docs/reliability.md#checkpoints"""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +27,15 @@ __all__ = [
     "is_complete",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_tensors",
     "prune_checkpoints",
     "restore_rng_state",
     "save_checkpoint",
+    "weights_only_loads",
 ]
 
-FORMAT = 1
+# 2: RNG state in rng/rank_<r>.json. 1 pickled it (rng/rank_<r>.pt), and is not loaded.
+FORMAT = 2
 COMPLETE_MARKER = "COMPLETE"
 TMP_INFIX = ".tmp-"
 OLD_INFIX = ".old-"
@@ -76,24 +83,94 @@ def prune_checkpoints(root: str | os.PathLike[str], keep: int | None) -> list[st
     return [str(p) for p in gone]
 
 
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch (CPU and, when present, CUDA) RNG states of this process."""
+    """Python, numpy and torch (CPU and, when present, CUDA) RNG states of this process, as JSON
+    data: the Mersenne Twister words as numbers, torch's generator bytes in base64."""
+    version, words, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": list(words), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "keys": np.asarray(keys).tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """The inverse of :func:`capture_rng_state` (from its JSON)."""
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(w) for w in py["state"]), py["gauss_next"]))
+    n = state["numpy"]
+    keys = np.asarray(n["keys"], dtype=np.uint32)
+    np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
+
+
+def _deepspeed_classes() -> list[type]:
+    # Besides tensors and containers, DeepSpeed's optimizer states hold these plain classes: its
+    # loss scalers (numbers), the ZeRO stage enum and a parameter fragment's (numel, start). They
+    # are the only classes a load builds.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+_torch_load = torch.load  # the real one, while weights_only_loads() stands in for it
+
+
+def load_tensors(f: Any, map_location: Any = "cpu", *, mmap: bool | None = None) -> Any:
+    """``torch.load(f, weights_only=True)``: tensors, containers, numbers and strings (and
+    DeepSpeed's few plain classes), never code.
+
+    Raises:
+        CheckpointError: ``f`` holds anything else (a pickled object), naming the file.
+    """
+    with torch.serialization.safe_globals(_deepspeed_classes()):
+        try:
+            return _torch_load(f, map_location=map_location, weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as e:
+            # torch's message says how to load it anyway; only its reason belongs here.
+            reason = re.search(r"WeightsUnpickler error: (.*?\.)(\s|$)", str(e))
+            where = os.fspath(f) if isinstance(f, str | os.PathLike) else getattr(f, "name", repr(f))
+            raise CheckpointError(
+                f"{where} holds more than tensors and is not loaded (unpickling it could "
+                f"run code): {reason.group(1) if reason else type(e).__name__}"
+            ) from e
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every ``torch.load`` inside goes through :func:`load_tensors`, DeepSpeed's own included (it
+    asks for ``weights_only=False``)."""
+
+    def load(f: Any, map_location: Any = None, *_: Any, mmap: bool | None = None, **__: Any) -> Any:
+        return load_tensors(f, map_location, mmap=mmap)
+
+    torch.load = load  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.load = _torch_load
 
 
 def _fsync_file(path: Path) -> None:
@@ -166,7 +243,7 @@ def save_checkpoint(
         engine.save_checkpoint(
             str(tmp / name), tag="state", client_state={"lr_scheduler": scheduler.state_dict()}
         )
-    torch.save(capture_rng_state(), tmp / "rng" / f"rank_{rank()}.pt")
+    (tmp / "rng" / f"rank_{rank()}.json").write_text(json.dumps(capture_rng_state()))
     barrier()
     if rank() == 0:
         stages = {name: int(engine.zero_optimization_stage()) for name, engine, _ in engines}
@@ -184,8 +261,8 @@ def load_checkpoint(path: str | os.PathLike[str], engines: Engines) -> dict[str,
     returns the trainer state saved with it. Collective.
 
     Raises:
-        CheckpointError: not a complete checkpoint, or written with another world size (ZeRO
-            partitions do not reshard) or other ZeRO stages.
+        CheckpointError: not a complete checkpoint, written with another world size (ZeRO
+            partitions do not reshard) or other ZeRO stages, or in format 1 (a pickled RNG state).
     """
     from rlmesh.learner.dist import barrier, rank, world_size
     from rlmesh.learner.schedule import set_base_lr
@@ -194,6 +271,16 @@ def load_checkpoint(path: str | os.PathLike[str], engines: Engines) -> dict[str,
     if not is_complete(base):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     state = json.loads((base / "trainer_state.json").read_text())
+    rng_file = base / "rng" / f"rank_{rank()}.json"
+    pickled = rng_file.with_suffix(".pt")
+    if not rng_file.is_file() and pickled.is_file():
+        raise CheckpointError(
+            f"{pickled}: {path} is a checkpoint of format 1 (its RNG state pickled), which is not "
+            "loaded: unpickling could run code. Start from its weights instead: `rlmesh export` it "
+            "and point actor_rollout_ref.model.path at the export"
+        )
+    if not rng_file.is_file():
+        raise CheckpointError(f"{path} has no RNG state for rank {rank()} ({rng_file})")
     stages = {name: int(engine.zero_optimization_stage()) for name, engine, _ in engines}
     if state["world_size"] != world_size() and any(stages.values()):
         raise CheckpointError(
@@ -203,13 +290,14 @@ def load_checkpoint(path: str | os.PathLike[str], engines: Engines) -> dict[str,
     if state["zero_stage"] != stages:
         raise CheckpointError(f"{path} has ZeRO stages {state['zero_stage']}; this run uses {stages}")
     for name, engine, scheduler in engines:
-        load_path, client_state = engine.load_checkpoint(
-            str(base / name), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        with weights_only_loads():
+            load_path, client_state = engine.load_checkpoint(
+                str(base / name), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no {name} checkpoint under {base / name}")
         scheduler.load_state_dict(client_state["lr_scheduler"])
         set_base_lr(scheduler, scheduler.base_lrs[0])  # the optimizer takes the restored step's lr
-    restore_rng_state(torch.load(base / "rng" / f"rank_{rank()}.pt", weights_only=False))
+    restore_rng_state(json.loads(rng_file.read_text()))
     barrier()
     return state

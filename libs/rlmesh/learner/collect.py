@@ -1,7 +1,6 @@
-"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once; with dynamic
-sampling only the groups ``keep_group`` keeps. A trajectory ``validate`` refuses is dead-lettered with
-the reason and counts as a lost sample of its group: nothing one carries ends the run.
-docs/reliability.md#collecting-a-step"""
+"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once, only the
+groups ``keep_group`` keeps; a trajectory ``validate`` refuses is dead-lettered and counts as a lost
+sample of its group. docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 
-from rlmesh.learner.checkpoint import CheckpointError, is_complete, latest_checkpoint
+from rlmesh.learner.checkpoint import (
+    CheckpointError,
+    is_complete,
+    latest_checkpoint,
+    load_tensors,
+    weights_only_loads,
+)
 from rlmesh.learner.hf_dir import write_hf_dir
 from rlmesh.learner.models import DTYPES, load_actor_model
 from rlmesh.learner.weight_buckets import iter_weight_buckets
@@ -29,10 +35,11 @@ def _actor_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
         files = sorted((actor_dir / "state").glob("mp_rank_*_model_states.pt"))
         if not files:
             raise CheckpointError(f"no model states under {actor_dir / 'state'}")
-        return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        return load_tensors(files[0])["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(actor_dir), tag="state")
+    with weights_only_loads():  # DeepSpeed's merge would unpickle the partitions
+        return get_fp32_state_dict_from_zero_checkpoint(str(actor_dir), tag="state")
 
 
 def export_checkpoint(

@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 import torch
 
 from rlmesh.algo import get_kl_controller
-from rlmesh.config import RLMeshConfig, dump_yaml
-from rlmesh.config.secrets import redact_url
+from rlmesh.config import RLMeshConfig
+from rlmesh.config.loader import dump_public_yaml
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.learner.batch import validate_trajectory
@@ -50,7 +50,9 @@ from rlmesh.queue import (
 from rlmesh.queue.connection import TRANSIENT_ERRORS
 from rlmesh.queue.lease import RunLease
 from rlmesh.queue.policy import publish_policy
+from rlmesh.queue.retention import expire_run_keys
 from rlmesh.queue.run_info import publish_config, publish_step_metrics
+from rlmesh.queue.signing import expose_untrusted
 from rlmesh.reward.client import RewardClient
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
@@ -145,7 +147,10 @@ class TrainingLoop:
     ) -> None:
         self.cfg = cfg
         self.state = LoopState(paused=cfg.rlmesh.learner.start_paused)
-        self.keys = RunKeys(cfg.rlmesh.run_id or "default")
+        # Signed with a key from the token: what it reads from Redis is checked (docs/security.md).
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.auth_token)
+        if registry is not None:
+            expose_untrusted(registry)
         self.tokenizer = load_tokenizer(
             cfg.tokenizer_path(), chat_template=cfg.actor_rollout_ref.model.custom_chat_template
         )
@@ -258,6 +263,9 @@ class TrainingLoop:
                 validate_trajectory,
                 needs_ref=self._ref_from_replicas,
                 needs_baseline=cfg.algorithm.adv_estimator == "remax",
+                vocab_size=getattr(self.trainer, "vocab_size", None),
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.actor_rollout_ref.rollout.response_length,
             ),
             wanted=lambda gid: gid in self.feeder.outstanding,
             keep_group=GroupFilter(self.filter_groups.metric) if self.filter_groups.enable else None,
@@ -280,7 +288,7 @@ class TrainingLoop:
         )
         self.reward = RewardClient.from_config(cfg, redis=redis)
         await retry_forever(
-            lambda: publish_config(redis, self.keys, _public_config_yaml(cfg)), "publish the config"
+            lambda: publish_config(redis, self.keys, dump_public_yaml(cfg)), "publish the config"
         )
 
     def _resume(self) -> None:
@@ -495,6 +503,13 @@ class TrainingLoop:
             # ranks the others may still be inside a collective); the last checkpoint stands.
             if self.state.stop_requested and self.state.stop_checkpoint and self.state.step > 0:
                 await self._checkpoint(self.state.step, final=True)
+            if self.state.step >= self.state.total_steps and self._redis is not None:
+                ttl_s = cfg.rlmesh.queue.finished_run_ttl_s
+                expiring = await expire_run_keys(self._redis, self.keys, ttl_s)
+                if expiring:
+                    self.progress(
+                        f"run {self.keys.run_id} finished: its {expiring} Redis keys expire in {ttl_s} s"
+                    )
         except BaseException as e:
             failure = f"{type(e).__name__}: {e}"
             raise
@@ -764,14 +779,6 @@ class TrainingLoop:
 
 def _f32(value: float) -> float:
     return float(f"{value:.7g}")
-
-
-def _public_config_yaml(cfg: RLMeshConfig) -> str:
-    """The config as YAML without its secrets: the token gone, Redis's password masked."""
-    public = cfg.model_copy(deep=True)
-    public.rlmesh.auth_token = None
-    public.rlmesh.redis_url = redact_url(public.rlmesh.redis_url)
-    return dump_yaml(public)
 
 
 def _jsonable(value: Any) -> Any:

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from rlmesh.control.hparams import BY_PROTO, in_range, range_text
+from rlmesh.config.hparams import BY_PROTO, in_range, range_text
 from rlmesh.learner.loop import TrainingLoop
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from rlmesh.config.secrets import SECRET_KEYS, redact_url
+from rlmesh.config.secrets import public_config
 from rlmesh.learner.validation import ValGeneration
 
 log = logging.getLogger("rlmesh.learner")
@@ -45,9 +45,6 @@ JSONL_ONLY_PREFIXES = ("timing_start/",)
 VAL_GENERATIONS_FILE = "val_generations.jsonl"
 VAL_GENERATIONS_KEY = "val/generations"  # verl's wandb / tensorboard key
 
-# Config leaves whose values are secrets wherever they sit (rlmesh.auth_token is in SECRET_KEYS).
-_SECRET_LEAVES = ("auth_token", "access_token", "api_token", "password", "passwd", "secret", "api_key")
-
 # mlflow's limits (mlflow.utils.validation): names of letters, digits, ``_ - . / space``, at most
 # 250 characters; a parameter value at most 6000; 100 parameters and 1000 metrics per batch.
 _MLFLOW_NAME_MAX = 250
@@ -70,28 +67,6 @@ def _walk(value: Any, path: str = "", sep: str = ".") -> Iterator[tuple[str, Any
             yield from _walk(sub, f"{path}{sep}{key}" if path else str(key), sep)
     else:
         yield path, value
-
-
-def _is_secret_key(path: str) -> bool:
-    return path in SECRET_KEYS or path.rsplit(".", 1)[-1].lower().endswith(_SECRET_LEAVES)
-
-
-def _redact(value: Any, path: str = "") -> Any:
-    if _is_secret_key(path) and value not in (None, ""):
-        return "***"
-    if isinstance(value, dict):
-        return {k: _redact(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact(v, path) for v in value]
-    if isinstance(value, str):
-        return redact_url(value)
-    return value
-
-
-def public_config(config: dict[str, Any] | None) -> dict[str, Any]:
-    """The run config as a tracker may keep it: secrets (``rlmesh.auth_token``, any ``*password``,
-    ``*api_key``... leaf) replaced by ``***`` and URL passwords masked."""
-    return _redact(dict(config or {}))
 
 
 def mlflow_name(key: str) -> str:

@@ -23,8 +23,8 @@ from rlmesh.algo import (
     get_kl_controller,
     masked_mean,
 )
-from rlmesh.config import RLMeshConfig, dump_yaml
-from rlmesh.config.secrets import redact_url
+from rlmesh.config import RLMeshConfig
+from rlmesh.config.loader import dump_public_yaml
 from rlmesh.learner import checkpoint
 from rlmesh.learner.actor import DeepSpeedPPOActor
 from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics, staleness_metrics
@@ -502,10 +502,8 @@ class PPOTrainer:
             },
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
-        cfg = self.config.model_copy(deep=True)
-        cfg.rlmesh.auth_token = None  # a checkpoint is no place for secrets
-        cfg.rlmesh.redis_url = redact_url(cfg.rlmesh.redis_url)
-        checkpoint.save_checkpoint(path, self._engines(), state, dump_yaml(cfg))
+        # A checkpoint is no place for secrets.
+        checkpoint.save_checkpoint(path, self._engines(), state, dump_public_yaml(self.config))
         log.info("checkpoint saved: %s", path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:

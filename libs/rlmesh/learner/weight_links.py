@@ -3,18 +3,20 @@ so a replica that dies mid-push breaks only its own group (docs/sglang.md)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.runtime.net import WILDCARD_IPV4, bracket, free_port, gloo_interface_toward
+from rlmesh.runtime.net import WILDCARD_IPV4, bracket, gloo_interface_toward
 from rlmesh.runtime.threads import run_in_daemon_thread
 from rlmesh.weights.bucket import FLATTENED_BUCKET
-from rlmesh.weights.group import destroy_process_group, init_custom_process_group
+from rlmesh.weights.group import destroy_process_group, init_custom_process_group, listen_socket
 
 log = logging.getLogger("rlmesh.weights")
 
@@ -79,6 +81,26 @@ def relink(
     return kept, unused
 
 
+def store_socket(master_address: str, first_port: int = 0) -> socket.socket:
+    """Where the learner's side of a weight group listens: ``master_address``, the address engines
+    are told to dial, and only there. Where that is not an address of this machine (behind NAT or
+    a port forward) every interface, with a warning: set rlmesh.weight_sync.master_address or
+    rlmesh.learner.advertise_address to one of its own addresses to avoid that."""
+    try:
+        return listen_socket(master_address, first_port)
+    except socket.gaierror:
+        pass  # a name only the engines resolve
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+    log.warning(
+        "weight groups: %s, where engines dial the learner, is not an address of this machine (NAT?): "
+        "their rendezvous listens on every interface",
+        master_address,
+    )
+    return listen_socket(WILDCARD_IPV4, first_port)
+
+
 async def build_group(
     link: EngineLink,
     group_name: str,
@@ -93,11 +115,13 @@ async def build_group(
     """Builds ``link``'s group (the trainer is rank 0) and settles what the engine is sent; an
     engine that fails is marked unhealthy and listed in ``failed``."""
     link.group_name = group_name
-    # The store listens on every interface; master_address may not be one of ours (NAT).
-    port = free_port(WILDCARD_IPV4, first=master_port)
+    listen = store_socket(master_address, master_port)
+    port = listen.getsockname()[1]
     world = 1 + link.ranks
     own = run_in_daemon_thread(
-        functools.partial(init_custom_process_group, gloo_interface=gloo_interface_toward(master_address)),
+        functools.partial(
+            init_custom_process_group, gloo_interface=gloo_interface_toward(master_address), listen=listen
+        ),
         link.backend,
         f"tcp://{bracket(master_address)}:{port}",
         world,

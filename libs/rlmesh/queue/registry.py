@@ -1,8 +1,6 @@
-"""The replica registry: each rollout replica's ``ReplicaRegistration`` under a key with a TTL
-that its heartbeat renews. A replica that stops heartbeating drops out within the TTL.
-
-With the run's signer every entry is signed, and ``live`` lists only entries it vouches for whose
-addresses have the right form: the learner and the control plane send the token to these."""
+"""The replica registry: each replica's ``ReplicaRegistration`` under a key with a TTL its heartbeat
+renews; with the run's signer every entry is signed, and ``live`` lists only the entries it vouches
+for whose addresses have a service's form (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
+from rlmesh.config.addresses import check_engine_url, check_peer_address
 from rlmesh.queue.keys import RunKeys
-from rlmesh.queue.peers import check_engine_url, check_peer_address
 from rlmesh.queue.signing import INVALID, UNDECODABLE, UNTRUSTED, unwrap, wrap
 from rlmesh.v1 import trajectory_pb2
 

@@ -1,8 +1,6 @@
-"""Proof that an entry read from Redis was written by a holder of the run's token: an HMAC-SHA256 tag
-under a key derived from the token and the run id (the token itself never reaches Redis), over the
-entry's exact bytes and the key it lives at. Without a token there is no key: entries are written
-bare and read without a check (loopback-only deployments). ``UNTRUSTED`` counts what readers skip.
-docs/security.md"""
+"""Proof that an entry read from Redis was written by a holder of the run's token: an HMAC tag under
+a key derived from the token and the run id, over the entry's bytes and its key; ``UNTRUSTED``
+counts what readers skip. docs/security.md#redis-entries"""
 
 from __future__ import annotations
 

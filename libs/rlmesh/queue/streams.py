@@ -1,7 +1,5 @@
-"""A typed work queue on a Redis Stream with a consumer group: at-least-once delivery. With a
-signer every entry carries a tag of its payload, and an entry without a good one is dead-lettered
-unread, as is one that is oversized, undecodable or redelivered too often.
-
+"""A typed work queue on a Redis Stream with a consumer group: at-least-once delivery; an entry
+without a good tag, oversized, undecodable or redelivered too often is dead-lettered unread.
 docs/reliability.md#streams"""
 
 from __future__ import annotations

@@ -97,7 +97,9 @@ class ServiceShell:
         config_path = None
         if spec.config_text is not None:
             config_path = workdir / f"{spec.name}.config.yaml"
-            config_path.write_text(spec.config_text)
+            # It may hold the token: readable by this user only.
+            with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(spec.config_text)
         overrides = [*spec.overrides, *node_overrides(spec.service, self.node_ip)]
         if spec.service == "learner":
             from rlmesh.config import load_config

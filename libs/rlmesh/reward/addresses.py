@@ -1,8 +1,6 @@
-"""The run's reward address list in Redis: ``rlmesh:{<run>}:reward_addresses``, one JSON array of
-``host:port``, so a swap is one atomic SET and every replica's reward client follows it within
-``cache_s`` without a restart. Given the run's keys with a signer, the list is signed when set and
-read only when the signer vouches for it (and every address has a service's form): the reward
-client sends the token to these addresses. Else a client keeps to its configured addresses."""
+"""The run's reward address list in Redis (one JSON array of ``host:port``, signed with the run's
+keys): a swap is one atomic SET every replica's reward client follows within ``cache_s``; a list the
+signer does not vouch for reads as none. docs/security.md#redis-entries"""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from rlmesh.config.addresses import check_peer_address
 from rlmesh.queue.keys import RunKeys
-from rlmesh.queue.peers import check_peer_address
 from rlmesh.queue.signing import INVALID, UNDECODABLE, UNTRUSTED, Signer, unwrap, wrap
 from rlmesh.runtime.addresses import RedisAddresses, get_addresses, set_addresses
 

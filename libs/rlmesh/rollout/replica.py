@@ -1,7 +1,6 @@
-"""One rollout replica: its engine, the sampler loop, the registry heartbeat and the Rollout servicer.
-docs/design.md#rollout-replica describes its life: join (catch up to the run's weights), claim,
-generate, score, publish; leave on SIGTERM, or at once with exit 3 when its engine is lost. With a
-token, what it writes to Redis is signed and what it reads must be (``RunKeys.signed``)."""
+"""One rollout replica: its engine, the sampler loop, the registry heartbeat and the Rollout servicer;
+its life (join, claim, generate, score, publish, leave) is in docs/design.md#rollout-replica, its
+Redis entries are signed with the run's keys (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from rlmesh.config.addresses import check_address
+
 log = logging.getLogger("rlmesh.client")
-
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-
-
-def check_address(address: str) -> str:
-    """``address`` when it is ``host:port`` (IPv6 as ``[::1]:port``) with a port in 1..65535."""
-    m = _HOST_PORT.match(address.strip()) if isinstance(address, str) else None
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise ValueError(f"not a host:port address: {address!r}")
-    return address.strip()
 
 
 class AddressSource(Protocol):

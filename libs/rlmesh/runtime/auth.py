@@ -1,7 +1,6 @@
-"""Bearer-token auth for gRPC: a server interceptor that refuses calls without the token, and
-client interceptors that attach it. Only ``Health/Check`` stays open, so probes need no secret;
-everything else (``Health/Watch`` and reflection included) needs the token, and a refusal ends the
-call at once, so that idle streams of a caller without the token hold none of the server's slots."""
+"""Bearer-token auth for gRPC: a server interceptor that refuses every call but ``Health/Check``
+without the token, ending it before its request is read, and client interceptors that attach it.
+docs/security.md#tokens"""
 
 from __future__ import annotations
 

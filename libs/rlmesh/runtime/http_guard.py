@@ -1,7 +1,6 @@
-"""The guard in front of rlmesh's HTTP services (the engine, the control plane), as plain ASGI: it
-refuses a request for a Host that is not the service's (DNS rebinding), a state change sent by
-another site's page (Origin, Content-Type), and a body past the limit as it streams in; and it puts
-the security headers (CSP, no framing, nosniff, no referrer) on every answer. docs/security.md#http"""
+"""The guard in front of rlmesh's HTTP services (engine, control plane), as plain ASGI: Host and
+Origin checks, JSON-only changes, body limits while reading, and the security headers on every
+answer. docs/security.md#http"""
 
 from __future__ import annotations
 

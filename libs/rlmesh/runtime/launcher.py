@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,10 +26,49 @@ from urllib.parse import quote, urlencode
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
 from rlmesh.runtime.net import bracket, dial_host, free_port, host_of, is_wildcard
+from rlmesh.runtime.tls import http_scheme
 
 log = logging.getLogger("rlmesh.launcher")
 
 _PR_SET_PDEATHSIG = 1
+
+# A child's log (workdir/logs/<name>.log, mode 0600) is rotated once it passes LOG_MAX_BYTES:
+# checked every LOG_CHECK_S and when a child of that name starts again; LOG_BACKUPS older copies
+# (<name>.log.1 newest) are kept.
+LOG_MAX_BYTES = 64 << 20
+LOG_BACKUPS = 3
+LOG_CHECK_S = 5.0
+
+
+def open_private_log(path: Path) -> int:
+    """An append-only descriptor on ``path``, which only its owner can read (logs may quote
+    prompts, addresses and errors); an existing file is narrowed to 0600 too."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def rotate_log(path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> bool:
+    """Rotates ``path`` when it is over ``max_bytes``: ``<path>.N`` -> ``<path>.N+1`` (the oldest
+    dropped), a copy to ``<path>.1``, then ``path`` truncated in place. Copy and truncate, not
+    rename: the child keeps writing through its own descriptor, which O_APPEND puts at the new
+    end (lines written between the copy and the truncation are lost). Returns whether it did."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    if backups > 0:
+        for n in range(backups - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{n}")
+            if older.exists():
+                os.replace(older, path.with_name(f"{path.name}.{n + 1}"))
+        first = path.with_name(f"{path.name}.1")
+        first.unlink(missing_ok=True)  # created afresh, so with the mode below
+        with open(path, "rb") as src, open(open_private_log(first), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    os.truncate(path, 0)
+    return True
 
 
 class LaunchError(RuntimeError):
@@ -119,10 +159,17 @@ class ManagedProcess:
         return self.popen.poll() is None
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "<no log>"
+        """The last ``lines`` of its log, reaching into the newest rotated copy when the log was
+        just rotated."""
+        tail: list[str] = []
+        for path in (self.log_path, self.log_path.with_name(f"{self.log_path.name}.1")):
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-(lines - len(tail)) :] + tail
+            except OSError:
+                continue
+            if len(tail) >= lines:
+                break
+        return "\n".join(tail) if tail else "<no log>"
 
 
 @dataclass(frozen=True)
@@ -204,13 +251,25 @@ def _redis_config_quote(value: str) -> str:
 class ProcessLauncher:
     """Starts children, waits until each is healthy, and stops all of them on the way out."""
 
-    def __init__(self, workdir: str | os.PathLike[str] | None = None, *, stop_grace_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        stop_grace_s: float = 30.0,
+        log_max_bytes: int = LOG_MAX_BYTES,
+        log_backups: int = LOG_BACKUPS,
+    ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="rlmesh-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        (self.workdir / "logs").mkdir(exist_ok=True)
+        (self.workdir / "logs").mkdir(mode=0o700, exist_ok=True)
         self.stop_grace_s = stop_grace_s
+        self.log_max_bytes = log_max_bytes
+        self.log_backups = log_backups
         self.processes: list[ManagedProcess] = []
+        self._log_watch: threading.Thread | None = None
+        self._log_watch_stop = threading.Event()
+        self._log_lock = threading.Lock()  # one rotation at a time (the watcher, a spawn)
 
     def __enter__(self) -> ProcessLauncher:
         return self
@@ -231,7 +290,9 @@ class ProcessLauncher:
         if shutil.which("nvidia-smi") is None:
             # transformers imports deepspeed, which warns while probing for a GPU that is not there.
             child_env.setdefault("DS_ACCELERATOR", "cpu")
-        with open(log_path, "ab") as log_file:
+        with self._log_lock:  # a restart under the same name
+            rotate_log(log_path, self.log_max_bytes, self.log_backups)
+        with open(open_private_log(log_path), "ab") as log_file:
             popen = subprocess.Popen(
                 with_parent_death_signal(argv),
                 stdout=log_file,
@@ -242,8 +303,32 @@ class ProcessLauncher:
             )
         proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
         self.processes.append(proc)
+        self._watch_logs()
         log.info("started %s (pid %d): %s", name, popen.pid, " ".join(redact_argv(argv)))
         return proc
+
+    def rotate_logs(self) -> list[Path]:
+        """Rotates every child's log that is over the size limit (see :func:`rotate_log`); returns
+        those it rotated. A thread calls it every ``LOG_CHECK_S`` while children run."""
+        paths = {proc.log_path for proc in list(self.processes)}
+        with self._log_lock:
+            return sorted(p for p in paths if rotate_log(p, self.log_max_bytes, self.log_backups))
+
+    def _watch_logs(self) -> None:
+        with self._log_lock:
+            if self._log_watch is not None and not self._log_watch_stop.is_set():
+                return
+            stop = self._log_watch_stop = threading.Event()
+
+            def watch() -> None:
+                while not stop.wait(LOG_CHECK_S):
+                    try:
+                        self.rotate_logs()
+                    except OSError as e:  # a full disk, a log removed by hand: try again next time
+                        log.warning("could not rotate a child's log: %s", e)
+
+            self._log_watch = threading.Thread(target=watch, name="rlmesh-log-rotation", daemon=True)
+            self._log_watch.start()
 
     def wait_ready(
         self,
@@ -514,11 +599,11 @@ class ProcessLauncher:
             if not ready_file.exists():
                 return False
             proc.info = json.loads(ready_file.read_text())
-            return http_ok(f"http://{dial}:{proc.info['port']}/health")
+            return http_ok(f"{http_scheme()}://{dial}:{proc.info['port']}/health")
 
         dial = bracket(dial_host(host))
         self.wait_ready(proc, ready, timeout_s)
-        return EngineInstance(process=proc, url=f"http://{dial}:{proc.info['port']}")
+        return EngineInstance(process=proc, url=f"{http_scheme()}://{dial}:{proc.info['port']}")
 
     def stop(self, proc: ManagedProcess, grace_s: float | None = None) -> int | None:
         """SIGTERM to the child's process group, SIGKILL after the grace period; returns its exit code."""
@@ -535,6 +620,7 @@ class ProcessLauncher:
         return proc.popen.returncode
 
     def stop_all(self) -> None:
+        self._log_watch_stop.set()
         # A copy: a supervisor thread may still be starting a process as the job ends.
         for proc in reversed(list(self.processes)):
             try:

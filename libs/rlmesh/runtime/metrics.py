@@ -1,7 +1,6 @@
-"""Prometheus metrics for every service: per-RPC counts, errors, latency and in-flight calls.
-
-The ``method`` label comes from a fixed set, the methods the server registered: a caller cannot
-make a new series by naming a method that does not exist. docs/design.md#the-processes"""
+"""Prometheus metrics for every service: per-RPC counts, errors, latency and in-flight calls, the
+``method`` label from the methods the server registered (no caller-made series).
+docs/design.md#the-processes"""
 
 from __future__ import annotations
 

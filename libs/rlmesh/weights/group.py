@@ -1,10 +1,13 @@
 """A torch.distributed process group built the way SGLang builds its weight-update group, so the
-trainer and an SGLang server meet in it. docs/design.md#buckets-groups-and-names"""
+trainer and an SGLang server meet in it; its host's store listens on one address, not on all as
+torch's would. docs/design.md#buckets-groups-and-names"""
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +51,30 @@ def _gloo_interface(name: str | None) -> Iterator[None]:
                     _pinned.notify_all()
 
 
+def listen_socket(host: str, first_port: int = 0) -> socket.socket:
+    """A listening TCP socket bound to ``host`` (an address or a name of this machine) alone: on the
+    OS's port, or with ``first_port`` > 0 the lowest free one from it up (for a firewall that opens
+    a range).
+
+    Raises:
+        OSError: ``host`` is not an address of this machine (EADDRNOTAVAIL), or no port is free.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0]
+    for port in range(first_port, 65536) if first_port > 0 else (0,):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+        try:
+            sock.bind((address[0], port, *address[2:]))
+            sock.listen(128)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                continue
+            raise
+        return sock
+    raise OSError(errno.EADDRINUSE, f"no free TCP port on {host} from {first_port} to 65535")
+
+
 def init_custom_process_group(
     backend: str,
     init_method: str,
@@ -57,14 +84,27 @@ def init_custom_process_group(
     timeout_s: float,
     *,
     gloo_interface: str | None = None,
+    listen: socket.socket | None = None,
 ) -> dist.ProcessGroup:
     """Joins (rank > 0) or hosts (rank 0) the group; blocks until all ``world_size`` ranks arrive
     or ``timeout_s`` passes. Every later collective on the group has the same deadline.
 
     ``gloo_interface``: the network interface this rank's gloo transport listens on and tells its
-    peers (None: gloo's default, the address the hostname resolves to, often loopback)."""
+    peers (None: gloo's default, the address the hostname resolves to, often loopback).
+    ``listen``: rank 0's store serves on this socket (:func:`listen_socket`, on the port of
+    ``init_method``) and takes it over; without it the store listens on every interface."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    if listen is not None and rank == 0:
+        store: dist.Store = dist.TCPStore(
+            listen.getsockname()[0],
+            listen.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            master_listen_fd=listen.detach(),  # the store closes it
+        )
+    else:
+        store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     with _gloo_interface(gloo_interface if c10d.Backend(backend) == "gloo" else None):

@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -58,8 +59,11 @@ def test_status_config_and_the_live_hyperparameters(api, stack):
     assert "critic_lr" not in st["hyperparams"]  # grpo: no critic
     config = api.get("/api/v1/run/config").json()
     assert config["source"] == "learner"
-    assert config["config"]["rlmesh"]["auth_token"] is None  # published without its secret
-    assert TOKEN not in api.get("/api/v1/run/config").text
+    assert config["config"]["rlmesh"]["auth_token"] == "***"  # published without its secret
+    text = api.get("/api/v1/run/config").text
+    assert TOKEN not in text
+    password = urlsplit(stack.redis_url).password
+    assert password and password not in text and ":***@" in config["config"]["rlmesh"]["redis_url"]
     hp = api.get("/api/v1/hyperparams").json()
     assert hp["fields"]["actor_lr"]["key"] == "actor_rollout_ref.actor.optim.lr"
 
@@ -151,7 +155,7 @@ async def test_history_validation_and_eta_from_the_metrics_stream(api, stack):
 
 async def test_replicas_are_listed_and_a_lost_one_removed(api, stack):
     redis = connect(stack.redis_url)
-    registry = ReplicaRegistry(redis, RunKeys(stack.run_id), ttl_s=60)
+    registry = ReplicaRegistry(redis, RunKeys.signed(stack.run_id, TOKEN), ttl_s=60)
     try:
         await registry.register(
             trajectory_pb2.ReplicaRegistration(
@@ -201,7 +205,7 @@ def test_reward_services_add_remove_and_swap(api):
 
 async def test_queue_depths_dead_letters_and_replay(api, stack):
     redis = connect(stack.redis_url)
-    keys = RunKeys(stack.run_id)
+    keys = RunKeys.signed(stack.run_id, TOKEN)
     queue = prompt_queue(redis, keys, "test-consumer", max_deliveries=1)
     try:
         await queue.ensure_group()

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from rlmesh.config import load_config
-from rlmesh.control.hparams import BY_KEY, HPARAMS, from_proto_values, problems
+from rlmesh.config.hparams import BY_KEY, HPARAMS, from_proto_values, problems
 from rlmesh.v1 import learner_pb2
 
 

@@ -1,7 +1,26 @@
+import json
 import os
+import pathlib
+import random
+import re
 import time
 
-from rlmesh.learner.checkpoint import COMPLETE_MARKER, finalize_checkpoint_dir, is_complete, latest_checkpoint
+import numpy as np
+import pytest
+import torch
+
+from rlmesh.learner.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    capture_rng_state,
+    finalize_checkpoint_dir,
+    is_complete,
+    latest_checkpoint,
+    load_checkpoint,
+    load_tensors,
+    restore_rng_state,
+    weights_only_loads,
+)
 
 
 def _complete(path):
@@ -64,3 +83,53 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_dead_saves(tmp_path):
         "metrics.jsonl",
     ]
     assert prune_checkpoints(tmp_path, keep=None) == []  # keep all: nothing left to remove
+
+
+# ----- nothing in a checkpoint is unpickled -----
+
+
+def test_rng_state_goes_through_json_and_draws_continue_where_they_were():
+    random.gauss(0, 1)  # python and numpy hold a cached gaussian: it must survive too
+    np.random.standard_normal()
+    saved = json.loads(json.dumps(capture_rng_state()))
+    want = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    restore_rng_state(saved)
+    assert (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), torch.rand(3).tolist()) == want
+
+
+class _Planted:
+    """An object whose unpickling would create ``marker``: proof of code run by a load."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_checkpoint_file_holding_an_object_is_refused_naming_it_and_runs_nothing(tmp_path):
+    marker = tmp_path / "code-ran"
+    bad = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "x": _Planted(marker)}, bad)
+    with pytest.raises(CheckpointError, match=re.escape(f"{bad} holds more than tensors")):
+        load_tensors(bad)
+    # DeepSpeed's own loads ask for weights_only=False: inside, they are refused all the same.
+    with weights_only_loads(), pytest.raises(CheckpointError, match=re.escape(str(bad))):
+        torch.load(bad, map_location="cpu", weights_only=False)
+    assert not marker.exists()
+    good = tmp_path / "good.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "step": 3, "name": "actor"}, good)
+    with weights_only_loads():
+        assert torch.load(good, weights_only=False)["step"] == 3
+    assert torch.load.__module__ == "torch.serialization"  # given back after the block
+
+
+def test_a_checkpoint_with_a_pickled_rng_state_is_refused_naming_the_file(tmp_path):
+    old = tmp_path / "global_step_4"
+    (old / "rng").mkdir(parents=True)
+    (old / "rng" / "rank_0.pt").write_bytes(b"a format-1 pickle")
+    (old / "trainer_state.json").write_text(json.dumps({"format": 1, "world_size": 1, "zero_stage": {}}))
+    (old / COMPLETE_MARKER).write_text("complete\n")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(old, [])
+    assert str(old / "rng" / "rank_0.pt") in str(err.value) and "rlmesh export" in str(err.value)

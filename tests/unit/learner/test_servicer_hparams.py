@@ -1,5 +1,5 @@
 """The learner's ``UpdateHyperparams`` over a real gRPC server on loopback: it takes the control
-plane's ranges (one table, rlmesh.control.hparams.HPARAMS), refusing a value past either end with
+plane's ranges (one table, rlmesh.config.hparams.HPARAMS), refusing a value past either end with
 INVALID_ARGUMENT naming the field and its range, and keeps nothing of a refused request. The
 training loop behind it is a stand-in holding the state the RPC reads and writes."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from rlmesh.control.hparams import HPARAMS, range_text
+from rlmesh.config.hparams import HPARAMS, range_text
 from rlmesh.learner.loop import LoopState
 from rlmesh.learner.servicer import LearnerServicer
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc

@@ -6,8 +6,8 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from rlmesh.config.addresses import check_engine_url, check_peer_address
 from rlmesh.queue.keys import RunKeys
-from rlmesh.queue.peers import check_engine_url, check_peer_address
 from rlmesh.queue.policy import inside_roots
 from rlmesh.queue.signing import (
     BAD_SIGNATURE,

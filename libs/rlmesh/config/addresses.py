@@ -1,7 +1,6 @@
-"""The form of the addresses read from Redis (a replica's gRPC address and engine URL, a reward
-address), checked before anything, the token included, is sent to them: ``host:port`` with a port in
-1..65535, an engine URL ``http(s)://host[:port][/path]``, and never a host no service lives at
-(link-local, where clouds serve instance credentials; the unspecified address; multicast)."""
+"""The form of a service's address (``host:port``) and an engine's URL, checked before anything, the
+token included, is sent to one read from Redis or a config; never a host no service lives at
+(link-local, where clouds serve instance credentials; unspecified; multicast). docs/security.md"""
 
 from __future__ import annotations
 
@@ -9,9 +8,16 @@ import ipaddress
 import re
 from urllib.parse import urlsplit
 
-from rlmesh.runtime.addresses import check_address
-
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,253}$")
+
+
+def check_address(address: str) -> str:
+    """``address`` when it is ``host:port`` (IPv6 as ``[::1]:port``) with a port in 1..65535."""
+    m = _HOST_PORT.match(address.strip()) if isinstance(address, str) else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"not a host:port address: {address!r}")
+    return address.strip()
 
 
 def check_peer_address(address: str) -> str:
