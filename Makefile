@@ -124,7 +124,7 @@ compose-test: venv redis-server
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m compose tests/e2e/test_compose.py
 
 # The attacker's suite (docs/security.md): a running job attacked on every port and through Redis
-# by someone without the token; it must refuse, go on, and leak no secret (about 5 minutes).
+# by someone without the token; it must refuse, go on, and leak no secret (about 2 minutes).
 security-test: venv redis-server
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m security tests/security
 
