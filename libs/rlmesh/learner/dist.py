@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlmesh.runtime.net import free_port
+from rlmesh.weights.group import pinned_gloo_interface
 
 __all__ = [
     "all_reduce_sum",
@@ -53,7 +53,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
     """Join (or create) the learner's process group; idempotent.
 
     Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the group is the launcher's.
-    Otherwise this process is a group of one on a free loopback port; only ``LOCAL_RANK=0`` is
+    Otherwise this process is a group of one that listens on loopback only; only ``LOCAL_RANK=0`` is
     put into the environment (DeepSpeed insists on it), so child processes inherit no rendezvous.
 
     Args:
@@ -81,9 +81,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
     if on_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized() and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
-        )
+        # A group of one: an in-process store and gloo on loopback, so nothing of it listens beyond
+        # this machine (a tcp:// rendezvous's store listens on every interface).
+        with pinned_gloo_interface("lo" if backend == "gloo" else None):
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # With a group in place DeepSpeed only registers it with deepspeed.comm; under a launcher it
     # creates the group, with this timeout.
     deepspeed.init_distributed(

@@ -29,7 +29,7 @@ _pins: dict[str, int] = {}  # interface -> groups being made on it now
 
 
 @contextmanager
-def _gloo_interface(name: str | None) -> Iterator[None]:
+def pinned_gloo_interface(name: str | None) -> Iterator[None]:
     # Groups made at once in one process share the variable: they wait for one another only
     # when they want different interfaces.
     with _pinned:
@@ -107,7 +107,7 @@ def init_custom_process_group(
         store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    with _gloo_interface(gloo_interface if c10d.Backend(backend) == "gloo" else None):
+    with pinned_gloo_interface(gloo_interface if c10d.Backend(backend) == "gloo" else None):
         pg, _ = c10d._new_process_group_helper(
             world_size,
             rank,
