@@ -1,6 +1,7 @@
 """The learner service with every other service, each a real process: a short PPO run, the
 weight push, checkpoints and the Learner control RPCs."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.learner import latest_checkpoint
+from rlmesh.queue import RunKeys, connect
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from tests.support.polling import wait_until
@@ -33,6 +35,16 @@ def start_stack(launcher, prepared, run_dir, extra):
     )
     learner.rollout_address = peers.rollout.grpc_address
     return learner, peers.common
+
+
+async def run_key_ttls(common: list[str]) -> dict[bytes, int]:
+    given = dict(o.split("=", 1) for o in common if o.startswith(("rlmesh.run_id=", "rlmesh.redis_url=")))
+    redis = connect(given["rlmesh.redis_url"])
+    try:
+        keys = RunKeys(given["rlmesh.run_id"])
+        return {key: await redis.ttl(key) async for key in redis.scan_iter(match=f"{keys.prefix}:*")}
+    finally:
+        await redis.aclose()
 
 
 def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepared):
@@ -73,6 +85,9 @@ def test_a_short_run_trains_pushes_checkpoints_and_exits_cleanly(tmp_path, prepa
         checkpoint = latest_checkpoint(str(run_dir))
         assert checkpoint is not None and checkpoint.endswith("global_step_3")
         assert (Path(checkpoint).parent / "global_step_2").is_dir()
+        # A finished run's Redis keys expire (rlmesh.queue.finished_run_ttl_s: 7 days by default).
+        ttls = asyncio.run(run_key_ttls(common))
+        assert ttls and all(0 < ttl <= 7 * 24 * 3600 for ttl in ttls.values()), ttls
 
         # The replica holds exactly the weights the learner ended with: its greedy output equals
         # that of the exported final actor.

@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "grpc_address": f"{host}:{port}",  # the launcher's name for "where it serves"
                     "advertise_address": advertise,
                     "grpc_port": port,
-                    "url": f"http://{advertise}",
+                    "url": f"{'https' if cfg.rlmesh.security.tls.enabled else 'http'}://{advertise}",
                     "metrics_port": metrics_server.port,
                 },
             )

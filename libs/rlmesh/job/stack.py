@@ -34,7 +34,7 @@ from rlmesh.runtime.launcher import (
     ServiceInstance,
     ServiceRequest,
 )
-from rlmesh.runtime.tls import export_tls, sync_channel, tls_of
+from rlmesh.runtime.tls import export_tls, http_scheme, sync_channel, tls_of
 from rlmesh.v1 import (
     common_pb2,
     learner_pb2_grpc,
@@ -83,7 +83,7 @@ def probe(instance: ServiceInstance, token: str | None) -> ServiceReport:
         text = scrape_metrics(host, instance.metrics_port)
         metrics = f":{instance.metrics_port}/metrics ({sum(1 for ln in text.splitlines() if ln.startswith('rlmesh_'))} rlmesh series)"
     if instance.name == "control":  # REST: its /health
-        health = "SERVING" if http_ok(f"http://{instance.grpc_address}/health") else "NOT_SERVING"
+        health = "SERVING" if http_ok(f"{http_scheme()}://{instance.grpc_address}/health") else "NOT_SERVING"
     else:
         health = grpc_health(instance.grpc_address)
     return ServiceReport(
@@ -143,7 +143,7 @@ class Stack:
     def control_url(self) -> str | None:
         """Where the control plane serves (``rlmesh ctl --url``); None when none was started."""
         control = self.control
-        return f"http://{control.grpc_address}" if control is not None else None
+        return f"{http_scheme()}://{control.grpc_address}" if control is not None else None
 
     def restart(self, name: str) -> ManagedProcess:
         """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:

@@ -127,7 +127,7 @@ def _service_ready(proc: ManagedProcess, ready_file: Path) -> bool:
         return False
     proc.info = json.loads(ready_file.read_text())
     if proc.info.get("protocol") == "http":
-        return http_ok(f"http://{dial_address(proc.info)}/health", timeout_s=1.0)
+        return http_ok(f"{http_scheme()}://{dial_address(proc.info)}/health", timeout_s=1.0)
     return grpc_health(dial_address(proc.info), timeout_s=1.0) == "SERVING"
 
 
