@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from rlmesh.runtime.health import redis_ping
-from tests.support.processes import child_env, pid_alive
+from tests.support.processes import child_env
 from tests.support.repo import REPO
 
 
@@ -53,34 +53,6 @@ def test_serve_with_a_bad_override_exits_2_naming_the_key():
     out = rlmesh("serve", "reward", "rlmesh.reward.prot=1")
     assert out.returncode == 2
     assert "rlmesh.reward.prot" in out.stderr and "rlmesh.reward.port" in out.stderr
-
-
-def test_up_starts_redis_and_every_service_healthy_then_stops_them_all():
-    out = rlmesh("up", "rlmesh.log_format=text")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "PING: PONG" in out.stdout
-    pids = []
-    for name in ("reward", "reference", "rollout-0", "learner", "control"):
-        line = next(
-            (
-                ln
-                for ln in out.stdout.splitlines()
-                if ln.startswith(f"[rlmesh up] {name} ") and "health:" in ln
-            ),
-            None,
-        )
-        assert line, f"no status line for {name}:\n{out.stdout}"
-        assert "health: SERVING" in line and "rlmesh series" in line, line
-        pids.append(int(re.search(r"pid (\d+)", line).group(1)))
-    pids.append(int(re.search(r"redis\s+pid (\d+)", out.stdout).group(1)))
-    assert "all processes stopped" in out.stdout
-    assert not any(pid_alive(p) for p in pids)
-    # A check, not a run: the learner held before its first step (rlmesh.learner.start_paused)
-    # instead of training the check's tiny data with the default batch shape.
-    logs = REPO / re.search(r"logs in (\S+)", out.stdout)[1]
-    learner_log = (logs / "learner.log").read_text()
-    tail = learner_log[-2000:]
-    assert "training failed" not in learner_log and "[learner] step 1:" not in learner_log, tail
 
 
 def test_redis_runs_with_a_password_it_never_prints(tmp_path):
