@@ -101,6 +101,29 @@ class RewardServiceConfig(ServiceConfig):
     )
     max_batch_size: int = Field(1024, ge=1, description="samples per Score call; larger calls are refused")
     workers: int = Field(32, ge=1, description="threads running synchronous reward functions")
+    on_error: Literal["penalty", "drop"] = Field(
+        "penalty",
+        description="a sample whose reward failed (raised, timed out, returned no number): penalty = "
+        "trained on with score error_score, its prompt group kept whole; drop = left out of training "
+        "and of the validation score (its group trains on fewer samples). Either way it counts in "
+        "reward/failed_ratio (docs/train.md#when-the-reward-fails)",
+    )
+    # Bounded as the learner bounds any score (rlmesh.learner.batch.MAX_ABS_SCORE).
+    error_score: float = Field(
+        0.0,
+        ge=-1e6,
+        le=1e6,
+        description="the score of a sample whose reward failed, in training and validation, under "
+        "on_error=penalty",
+    )
+    max_failed_ratio: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="the run stops, quoting the first failure's file and line, when more than this share "
+        "of a step's (or a validation's) samples failed to score; 0 = at the first failure, as verl "
+        "does; a step or validation in which every sample failed stops the run whatever this says",
+    )
 
 
 class ReferenceServiceConfig(ServiceConfig):

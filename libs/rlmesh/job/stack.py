@@ -308,7 +308,7 @@ def start_stack(
             ]
         )
         say(
-            f"{'':<12} control plane: http://{control.grpc_address}/docs (rlmesh ctl --url http://{control.grpc_address})"
+            f"{'':<12} control plane: {http_scheme()}://{control.grpc_address}/docs"
         )
     return stack
 

@@ -4,6 +4,7 @@ verl's ``main_ppo``. docs/train.md"""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.job.report import engine_server_info, plot, read_metrics, stage_rates
-from rlmesh.runtime.tls import sync_channel
+from rlmesh.reward.failures import step_line_part
+from rlmesh.runtime.tls import sync_channel, tls_of
 
 Say = Callable[[str], None]
 
@@ -58,8 +60,29 @@ def progress_line(
         f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
         f"kl {kl:+.4f}  val {val}  "
         f"tok/s {m.get('training/tokens', 0) / max(m.get('timing_s/step', 0), 1e-9):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
-        f"[{elapsed_s:.0f} s{eta}]"
+        f"[{elapsed_s:.0f} s{eta}]{step_line_part(m)}"
     )
+
+
+def learner_failure(log_path: Path) -> str | None:
+    """What ended the learner (the exception's type and message), from the last "training failed"
+    record of its JSON log; None when there is none."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"training failed"' not in line:
+            continue
+        try:
+            exc = str(json.loads(line).get("exc") or "")
+        except (ValueError, AttributeError):
+            continue
+        # The traceback's frames are indented; the exception (its message may span lines) follows.
+        tail = exc.rsplit("Traceback (most recent call last):", 1)[-1].splitlines()
+        rest = list(itertools.dropwhile(lambda ln: not ln or ln[0].isspace(), tail))
+        return "\n".join(rest).strip() or None
+    return None
 
 
 class MetricsFollower:
@@ -168,6 +191,7 @@ def run_job(
     from rlmesh.job.stack import start_stack
     from rlmesh.runtime.auth import bearer_metadata
     from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+    from rlmesh.runtime.run_file import RunFiles, this_process
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
     t0 = time.monotonic()
@@ -186,7 +210,9 @@ def run_job(
     metadata = bearer_metadata(token)
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
     follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
-    with ProcessLauncher(service_dir, stop_grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30)) as launcher:
+    grace_s = max(cfg.rlmesh.runtime.shutdown_grace_s, 30)
+    # The run file goes first when the job ends: `rlmesh ctl` says no run while the services stop.
+    with ProcessLauncher(service_dir, stop_grace_s=grace_s) as launcher, RunFiles() as run_files:
         try:
             stack = start_stack(launcher, config_path, overrides, say=say)
         except LaunchError as e:
@@ -195,6 +221,14 @@ def run_job(
             where = f"; its log: {e.log_path}" if e.log_path else ""
             result.failure = f"start-up failed: {e.headline}{where}"
             return result
+        if stack.control_url is not None:
+            tls = tls_of(cfg.rlmesh.security.tls)
+            info = this_process(
+                run_id, stack.control_url, checkpoint_dir, config=config_path, auth=bool(token), tls=tls
+            )
+            written = run_files.write(info)
+            where = f"(run file {written[0]})" if written else f"with --url {stack.control_url}"
+            say(f"{'':<12} rlmesh ctl status reaches it {where}")
         learner = stack.learner
         assert learner is not None
         if after_start is not None:
@@ -249,6 +283,9 @@ def run_job(
         result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
         if code != 0:
             result.failure = f"the learner failed (exit code {code}); its log: {learner.process.log_path}"
+            why = learner_failure(learner.process.log_path)
+            if why:
+                result.failure += f"\n{why}"
             say(result.failure)
             result.code = code
             return result

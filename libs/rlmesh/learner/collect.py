@@ -1,6 +1,6 @@
 """Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once, only the
-groups ``keep_group`` keeps; a trajectory ``validate`` refuses is dead-lettered and counts as a lost
-sample of its group. docs/reliability.md#collecting-a-step"""
+groups ``keep_group`` keeps, failed rewards scored by ``rule``; a trajectory ``validate`` refuses is
+dead-lettered and counts as a lost sample of its group. docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlmesh.learner.feeder import incarnation_of
 from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
+from rlmesh.reward.failures import FailureTally, RewardErrorRule, is_reward_failure
 from rlmesh.v1 import trajectory_pb2
 
 log = logging.getLogger("rlmesh.learner")
@@ -39,6 +40,7 @@ class StepBatch:
     wait_s: float
     groups: list[str] = field(default_factory=list)  # the group uids taken
     filtered: dict[str, int] = field(default_factory=dict)  # groups keep_group dropped -> their samples
+    rewards: FailureTally = field(default_factory=FailureTally)  # samples that came in; rewards failed
 
 
 class BatchCollector:
@@ -52,6 +54,7 @@ class BatchCollector:
         validate: Callable[[Trajectory], str | None],
         wanted: Callable[[str], bool] | None = None,
         keep_group: Callable[[Sequence[Trajectory]], bool] | None = None,
+        rule: RewardErrorRule | None = None,
     ) -> None:
         self.collector = collector
         self.wanted = wanted  # group uid -> still waited for; None: every group is
@@ -61,6 +64,9 @@ class BatchCollector:
         self.incarnation = incarnation
         self.max_staleness = max_staleness
         self.validate = validate
+        # None: a failed reward's sample is refused by validate like any sample with an error.
+        self.rule = rule
+        self.rewards = FailureTally()
         self.groups: OrderedDict[str, Group] = OrderedDict()
         self._discarded_ids: list[bytes] = []
         self._discarded_uids: list[str] = []
@@ -91,6 +97,11 @@ class BatchCollector:
             self._discard(traj, entry_id)
             return
         group = self.groups.setdefault(traj.group_uid, Group())
+        failed = is_reward_failure(traj.error)
+        self.rewards.add((traj.error.message or traj.error.source) if failed else None)
+        received = traj
+        if self.rule is not None:
+            traj = self.rule.apply(traj)
         reason = self.validate(traj)
         if reason is not None:
             self.counts["invalid"] += 1
@@ -98,7 +109,7 @@ class BatchCollector:
             # Its uid is marked used with the step, so another copy of it is not trained on either.
             self._discarded_uids.append(traj.uid)
             why = f"invalid: {reason} (trajectory {traj.uid} of replica {traj.replica_id!r})"
-            await self.collector.queue.dead_letter_message(entry_id, traj, why, 1)
+            await self.collector.queue.dead_letter_message(entry_id, received, why, 1)
             return
         group.entry_ids.append(entry_id)
         group.trajectories.append(traj)
@@ -133,9 +144,14 @@ class BatchCollector:
         requeue: Callable[[Trajectory], Awaitable[None]],
         on_progress: Callable[[int, int], None] | None = None,
         refill: Callable[[list[str]], Awaitable[None]] | None = None,
+        step: int = 0,
     ) -> StepBatch:
         """Waits until ``batch_groups`` complete groups are in (or ``timeout_s``: TimeoutError).
-        ``refill`` gets the uids of the groups ``keep_group`` dropped, to draw prompts in their place."""
+        ``refill`` gets the uids of the groups ``keep_group`` dropped, to draw prompts in their place.
+        Raises ``RewardFailed`` (naming ``step``) once a batch's worth of samples came in and too
+        many of their rewards failed, by ``rule``: before dynamic sampling draws prompt after prompt
+        in place of groups that failed alike."""
+        where = f"step {step}" if step else "this step"
         start = time.monotonic()
         while sum(g.complete(self.n) for g in self.groups.values()) < batch_groups:
             if time.monotonic() - start > timeout_s:
@@ -158,6 +174,8 @@ class BatchCollector:
             if redundant:
                 self.counts["duplicates"] += len(redundant)
                 await self.collector.queue.ack(redundant)
+            if self.rule is not None and self.rewards.samples >= batch_groups * self.n:
+                self.rule.check(self.rewards, where)
             for traj in stale_groups.values():
                 await requeue(traj)
             dropped = self._filter_groups()
@@ -165,6 +183,8 @@ class BatchCollector:
                 await refill(dropped)
             if on_progress:
                 on_progress(sum(g.complete(self.n) for g in self.groups.values()), batch_groups)
+        if self.rule is not None:  # a group's earlier samples may have come in during the last step
+            self.rule.check(self.rewards, where)
         taken = [gid for gid, g in self.groups.items() if g.complete(self.n)][:batch_groups]
         trajs, ids = [], list(self._discarded_ids)
         uids = list(self._discarded_uids)
@@ -177,6 +197,7 @@ class BatchCollector:
         filtered, self._filtered = self._filtered, {}
         counts = dict(self.counts)
         self.counts = dict.fromkeys(self.counts, 0)
+        rewards, self.rewards = self.rewards, FailureTally()
         return StepBatch(
             trajectories=trajs,
             entry_ids=ids,
@@ -185,6 +206,7 @@ class BatchCollector:
             wait_s=time.monotonic() - start,
             groups=taken,
             filtered=filtered,
+            rewards=rewards,
         )
 
     def complete_groups(self) -> set[str]:

@@ -54,6 +54,7 @@ from rlmesh.queue.retention import expire_run_keys
 from rlmesh.queue.run_info import publish_config, publish_step_metrics
 from rlmesh.queue.signing import expose_untrusted
 from rlmesh.reward.client import RewardClient
+from rlmesh.reward.failures import FailureTally, RewardErrorRule
 from rlmesh.v1 import common_pb2, trajectory_pb2
 
 if TYPE_CHECKING:
@@ -203,6 +204,8 @@ class TrainingLoop:
         # DAPO's dynamic sampling: the prompts each step draws (algorithm.filter_groups).
         self.filter_groups = cfg.algorithm.filter_groups
         self.gen_batches = GenBatches(cfg.data.train_batch_size, self.filter_groups.max_num_gen_batches)
+        self.reward_rule = RewardErrorRule.from_config(cfg)
+        self._reward_failure_quoted = False  # the run's first failed reward is logged in full, once
 
     # ----- setup -----
     async def _connect(self) -> None:
@@ -269,6 +272,7 @@ class TrainingLoop:
             ),
             wanted=lambda gid: gid in self.feeder.outstanding,
             keep_group=GroupFilter(self.filter_groups.metric) if self.filter_groups.enable else None,
+            rule=self.reward_rule,
         )
         self.recovery = LostGroupRecovery(self.feeder, self.collector)
         self.replicas = ReplicaRegistry(redis, self.keys, ttl_s=q.heartbeat_ttl_s)
@@ -447,6 +451,7 @@ class TrainingLoop:
                         requeue=requeue,
                         on_progress=progress,
                         refill=refill,
+                        step=step,
                     )
                 except TimeoutError:  # the builtin one: nothing complete yet
                     pass
@@ -619,6 +624,7 @@ class TrainingLoop:
         )
         t0 = time.monotonic()
         collected = await self._collect(step)
+        self._warn_reward_failures(f"step {step}", collected.rewards)
         self.feeder.taken(collected.groups)
         t_gen = time.monotonic() - t0
         gen_start = time.time() - t_gen  # wall clock, so benchmarks can line phases up across processes
@@ -671,6 +677,7 @@ class TrainingLoop:
                 "training/policy_version": st.version,
                 "training/epoch": self.feeder.epoch_of.get(step, self.cursor.epoch),
                 **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
+                **collected.rewards.metrics("reward"),
                 **{f"training/{k}": float(v) for k, v in self.recovery.take_counts().items()},
                 **_rollout_timings(collected.trajectories),
             }
@@ -693,6 +700,15 @@ class TrainingLoop:
         st.last_metrics = metrics
         st.step = step  # last: GetStatus then shows this step with its own metrics
         await self._log_metrics(step, metrics)
+
+    def _warn_reward_failures(self, where: str, tally: FailureTally) -> None:
+        """One warning where rewards failed: the run's first failure in full (its traceback), later
+        ones by their first line, so the log says what the run trains on without a line a sample."""
+        if not tally.failed:
+            return
+        first = tally.first if not self._reward_failure_quoted else tally.first.splitlines()[0]
+        self._reward_failure_quoted = True
+        log.warning("%s: %s; the first: %s", where, self.reward_rule.describe(tally), first)
 
     def _record_groups(self, step: int, collected: StepBatch) -> None:
         if self.groups_path is None:
@@ -729,8 +745,12 @@ class TrainingLoop:
             sampling=val_sampling(rollout.val_kwargs, rollout.response_length),
             batch_size=self.cfg.data.val_batch_size or 64,
             token=self.cfg.rlmesh.auth_token,
+            rule=self.reward_rule,
         )
         self.state.phase = prev
+        where = f"validation after step {step}" if step else "validation before training"
+        self._warn_reward_failures(where, result.failures)
+        self.reward_rule.check(result.failures, where)
         metrics = result.metrics
         # The first trainer.log_val_generations samples (verl's choice) to every sink, before the
         # step's metrics: both under this step.
@@ -739,7 +759,8 @@ class TrainingLoop:
         )
         if log:
             await self._log_metrics(step, metrics)
-        self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}")
+        failed = f", {result.failures.summary()}" if result.failures.failed else ""
+        self.progress(f"validation after step {step}: val/score {metrics['val/score']:.3f}{failed}")
         return metrics
 
     async def _checkpoint(self, step: int, final: bool = False) -> str:

@@ -27,6 +27,7 @@ log = logging.getLogger("rlmesh.learner")
 
 CONSOLE_KEYS = (
     ("critic/score/mean", "score"),
+    ("reward/failed_ratio", "rfail"),
     ("val/score", "val"),
     ("actor/reward_kl_penalty", "kl"),
     ("actor/pg_loss", "pg"),

@@ -1,6 +1,6 @@
 """Validation: generate for ``data.val_files`` through the rollout replicas (greedy by default,
-``rollout.val_kwargs``), score with the reward service, report ``val/score`` overall and per
-data source, and keep the samples for ``trainer.log_val_generations``."""
+``rollout.val_kwargs``), score with the reward service, report ``val/score`` overall and per data
+source and the failed rewards, and keep the samples for ``trainer.log_val_generations``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rlmesh.data import PromptItem
+from rlmesh.reward.failures import FailureTally, RewardErrorRule
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.tls import aio_channel
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
@@ -66,6 +67,7 @@ class ValGeneration:
 class ValidationResult:
     metrics: dict[str, float]
     samples: list[ValGeneration] = field(default_factory=list)  # in validation-set order
+    failures: FailureTally = field(default_factory=FailureTally)  # the samples whose reward failed
 
 
 def select_generations(samples: Sequence[ValGeneration], count: int) -> list[ValGeneration]:
@@ -91,7 +93,11 @@ async def run_validation(
     batch_size: int = 64,
     token: str | None = None,
     timeout_s: float = 600.0,
+    rule: RewardErrorRule | None = None,
 ) -> ValidationResult:
+    """Validates ``items`` on ``replicas``, scored by ``score``; a sample whose reward failed scores
+    by ``rule`` (default: penalty 0.0) and counts in ``val/reward/failed`` and ``failed_ratio``."""
+    rule = rule or RewardErrorRule()
     if not replicas:
         raise RuntimeError("validation needs at least one live rollout replica")
     channels = [aio_channel(a, interceptors=client_auth_interceptors(token)) for a in replicas]
@@ -99,6 +105,7 @@ async def run_validation(
     scores: dict[str, list[float]] = defaultdict(list)
     lengths: list[int] = []
     generations: list[ValGeneration] = []
+    failures = FailureTally()
 
     async def run_chunk(chunk: Sequence[PromptItem], stub: rollout_pb2_grpc.RolloutStub) -> None:
         reply = await stub.Generate(
@@ -133,13 +140,17 @@ async def run_validation(
             )
         results = await score(samples)
         for sample, origin, result in zip(samples, origins, results, strict=True):
-            value = 0.0 if result.HasField("error") and result.error.code else result.score
-            scores[sample.data_source].append(value)
+            # Every error a Score result carries is the reward's.
+            failed = result.HasField("error") and bool(result.error.code or result.error.message)
+            failures.add((result.error.message or result.error.source) if failed else None)
+            value = rule.validation_score(result.score, failed)
+            if value is not None:
+                scores[sample.data_source].append(value)
             generations.append(
                 ValGeneration(
                     input=sample.prompt_text,
                     output=sample.response_text,
-                    score=float(value),
+                    score=float(value) if value is not None else math.nan,  # logged as null
                     ground_truth=sample.ground_truth,
                     data_source=sample.data_source,
                     index=origin[0],
@@ -157,9 +168,11 @@ async def run_validation(
     metrics = {
         "val/score": sum(everything) / max(1, len(everything)),
         "val/response_length/mean": sum(lengths) / max(1, len(lengths)),
+        **failures.metrics("val/reward"),
     }
+    # Under on_error=drop a data source whose every reward failed has no score, rather than 0.
     for source, values in scores.items():
         metrics[f"val/score/{source}"] = sum(values) / len(values)
     # Chunks finish in any order: the samples in the validation set's.
     generations.sort(key=lambda g: (g.index, g.sample_index))
-    return ValidationResult(metrics, generations)
+    return ValidationResult(metrics, generations, failures)

@@ -46,6 +46,17 @@ class RewardFunction:
             **self.kwargs,
         )
 
+    def source_file(self) -> str | None:
+        """The file the function is defined in (a callable object's: its class's), None when Python
+        cannot tell (a C function, a ``functools.partial``)."""
+        target = inspect.unwrap(self.fn)
+        for candidate in (target, type(target)):
+            try:
+                return inspect.getsourcefile(candidate)
+            except TypeError:
+                continue
+        return None
+
 
 def builtin_function(name: str) -> RewardFunction:
     """A built-in by name (``gsm8k``, ``math``, ``math_dapo``, ``arithmetic``)."""

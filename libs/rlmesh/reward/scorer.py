@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from rlmesh.reward.builtin import builtin_for, data_source_rules
+from rlmesh.reward.frames import describe_raise
 from rlmesh.reward.loader import RewardFunction, builtin_function, configured_function
 from rlmesh.reward.managers import RewardManager, reward_manager_from_config
 from rlmesh.reward.metrics import RewardMetrics
@@ -255,7 +256,7 @@ class RewardScorer:
                         sample,
                         fn.name,
                         ErrorCode.ERROR_CODE_FUNCTION_FAILED,
-                        f"reward function {fn.name} raised {describe(e)}",
+                        describe_raise(fn.name, e, fn.source_file()),
                     )
             while running:
                 done, _ = await asyncio.wait(running, timeout=max(end - loop.time(), 0.0))
@@ -270,7 +271,7 @@ class RewardScorer:
                             samples[i],
                             fn.name,
                             ErrorCode.ERROR_CODE_FUNCTION_FAILED,
-                            f"reward function {fn.name} raised {describe(e)}",
+                            describe_raise(fn.name, e, fn.source_file()),
                         )
                         continue
                     self.metrics.function_seconds.labels(fn.name).observe(seconds)

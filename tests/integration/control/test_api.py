@@ -275,7 +275,7 @@ def test_rlmesh_ctl_drives_the_same_api_with_the_token_from_the_environment(stac
             timeout=60,
         )
 
-    out = ctl("set", "entropy_coeff=0.002", RLMESH_AUTH_TOKEN=TOKEN)
+    out = ctl("--json", "set", "entropy_coeff=0.002", RLMESH_AUTH_TOKEN=TOKEN)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["values"]["entropy_coeff"] == 0.002
     out = ctl("status", RLMESH_AUTH_TOKEN=TOKEN)

@@ -12,6 +12,7 @@ import pytest
 from rlmesh.config import load_config
 from rlmesh.learner.sinks import VAL_GENERATIONS_FILE, MetricsSinks
 from rlmesh.learner.validation import run_validation, select_generations, val_sampling
+from rlmesh.reward.failures import RewardErrorRule
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items
 
@@ -121,3 +122,33 @@ async def test_more_generations_asked_than_validated_logs_them_all(replica, tmp_
     result = await validation(replica, config(), count=2)
     chosen = select_generations(result.samples, 50)
     assert sorted((s.index, s.sample_index) for s in chosen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+async def validation_with(replica, rule):
+    return await run_validation(
+        prompt_items(10),
+        replicas=[replica],
+        score=score,
+        decode=decode,
+        sampling=val_sampling(config().actor_rollout_ref.rollout.val_kwargs, 4),
+        batch_size=3,
+        rule=rule,
+    )
+
+
+async def test_failed_rewards_in_validation_are_counted_and_scored_by_the_rule(replica):
+    # Prompt 3's two samples fail to score: 2 of 20, reported, never a silent 0.0.
+    result = await validation(replica, config())  # no rule: penalty 0.0
+    assert result.metrics["val/reward/failed"] == 2.0
+    assert result.metrics["val/reward/failed_ratio"] == pytest.approx(0.1)
+    assert (result.failures.failed, result.failures.samples, result.failures.first) == (2, 20, "boom")
+
+    penalised = await validation_with(replica, RewardErrorRule(error_score=-1.0))
+    assert [s.score for s in penalised.samples if s.index == 3] == [-1.0, -1.0]
+    assert penalised.metrics["val/score"] == pytest.approx((9 - 2) / 20)  # 9 right answers, 2 x -1
+
+    dropped = await validation_with(replica, RewardErrorRule(on_error="drop"))
+    assert dropped.metrics["val/score"] == pytest.approx(9 / 18)  # over the samples that scored
+    assert dropped.metrics["val/reward/failed"] == 2.0
+    rows = [s.row() for s in dropped.samples if s.index == 3]
+    assert [r["score"] for r in rows] == [None, None]  # logged as null, not as 0.0

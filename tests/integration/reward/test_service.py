@@ -6,6 +6,7 @@ import os
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -134,6 +135,21 @@ async def test_a_user_function_by_dotted_path_scores_and_its_failures_stay_per_s
     assert metric_sum(metrics, "rlmesh_rpc_requests_total", method="/rlmesh.v1.Reward/Score") == 3
     assert metric_sum(metrics, "rlmesh_reward_batch_size_count") == 3
     assert metric_sum(metrics, "rlmesh_reward_batch_size_sum") == 10
+
+
+async def test_a_failure_names_the_users_file_and_line_across_the_wire(custom, user_env):
+    # What the learner quotes when it stops a run: the user's file, line and code, not the service's.
+    source = Path(user_env["PYTHONPATH"].split(os.pathsep)[0]) / "rlmesh_test_rewards.py"
+    lines = textwrap.dedent(USER_MODULE).splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "raise ZeroDivisionError" in text)
+    async with RewardClient([custom.grpc_address], token=TOKEN, timeout_s=30) as client:
+        (result,) = await client.score([sample("raise", "raise")])
+    headline, *frames = result.error.message.splitlines()
+    assert headline.endswith(f"raised ZeroDivisionError: user code divided by zero, at {source}:{line}")
+    assert frames == [
+        f'  File "{source}", line {line}, in compute_score',
+        '    raise ZeroDivisionError("user code divided by zero")',
+    ]
 
 
 async def test_malformed_requests_get_invalid_argument_naming_the_problem(custom):
