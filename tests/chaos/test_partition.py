@@ -36,6 +36,7 @@ from tests.support.jobs import (
     Files,
     Job,
     overrides,
+    private_redis_url,
     step_line,
     steps_started_after,
     stop_and_audit,
@@ -94,7 +95,10 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
     proxies: list[PartitionableProxy] = []
     try:
         redis_host, redis_port = job_address(job, "redis")
-        redis_url = f"redis://{redis_host}:{redis_port}/0"
+        # The job's Redis has a password (masked where the job prints its URL).
+        printed = job.wait_for(r"^\[train\] redis +(redis://\S+)", timeout_s=240)[1]
+        redis_url = private_redis_url(run_dir / "services" / RUN_ID, printed)
+        password = urlparse(redis_url).password
         reward = PartitionableProxy(*job_address(job, "reward"))
         reference = PartitionableProxy(*job_address(job, "reference"))
         redis_proxy = PartitionableProxy(redis_host, redis_port)
@@ -112,7 +116,7 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
                 config_path=str(CPU_DEMO),
                 overrides=[
                     *common,
-                    f"rlmesh.redis_url=redis://{redis_proxy.address}/0",
+                    f"rlmesh.redis_url=redis://:{password}@{redis_proxy.address}/0",
                     f"rlmesh.reward.addresses=['{reward.address}']",
                     f"rlmesh.reference.addresses=['{reference.address}']",
                     f"rlmesh.rollout.port={grpc_port}",

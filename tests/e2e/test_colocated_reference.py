@@ -54,4 +54,5 @@ def test_a_job_with_a_colocated_reference_runs_without_a_reference_service(tmp_p
     # Step 1's policy is the reference (KL 0 up to float noise); after updates it is not (the
     # sampled estimate of the KL can be either sign).
     assert abs(train[0]["actor/reward_kl_penalty"]) < 1e-4
-    assert abs(train[-1]["actor/reward_kl_penalty"]) > 1e-4
+    # (one step's sampled estimate may land near 0 by chance: the largest of the later ones is not)
+    assert max(abs(r["actor/reward_kl_penalty"]) for r in train[1:]) > 1e-4

@@ -17,7 +17,7 @@ import redis
 
 from rlmesh.queue import RunKeys
 from rlmesh.v1 import trajectory_pb2
-from tests.support.jobs import Job, make_files
+from tests.support.jobs import Job, make_files, private_redis_url
 from tests.support.monitoring import (
     ALERTS,
     Prometheus,
@@ -137,7 +137,10 @@ def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
     try:
         job.wait_for(r"^\[train\] control ", timeout_s=300)  # started last: every service is up
         targets = scrape_targets(tmp_path / "run" / "services" / RUN_ID)
-        targets["rlmesh-engine"] = engine_targets(job.wait_for(r"^\[train\] redis +(redis://\S+)", 1)[1])
+        printed = job.wait_for(r"^\[train\] redis +(redis://\S+)", 1)[1]
+        targets["rlmesh-engine"] = engine_targets(
+            private_redis_url(tmp_path / "run" / "services" / RUN_ID, printed)
+        )
         assert all(
             targets.get(f"rlmesh-{s}")
             for s in ("learner", "rollout", "reward", "reference", "engine", "control")

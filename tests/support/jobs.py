@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import quote
 
 from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
@@ -51,6 +53,15 @@ class Files:
     model: Path
     train: Path
     val: Path
+
+
+def private_redis_url(services_dir: Path, printed: str) -> str:
+    """The URL of the Redis a job started in ``services_dir``, whose printed form (``printed``)
+    masks the password: the password is read back from the server's own 0600 config file."""
+    conf = (services_dir / "redis" / "secrets.conf").read_text().splitlines()
+    (line,) = [ln for ln in conf if ln.startswith("requirepass ")]
+    password = shlex.split(line)[1]
+    return printed.replace(":***@", f":{quote(password, safe='')}@", 1)
 
 
 def make_files(root: Path) -> Files:
