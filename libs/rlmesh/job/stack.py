@@ -307,9 +307,7 @@ def start_stack(
                 )
             ]
         )
-        say(
-            f"{'':<12} control plane: {http_scheme()}://{control.grpc_address}/docs"
-        )
+        say(f"{'':<12} control plane: {http_scheme()}://{control.grpc_address}/docs")
     return stack
 
 
