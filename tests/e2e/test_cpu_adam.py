@@ -1,5 +1,5 @@
-"""Offloaded optimizer states are stepped by DeepSpeed's CPU Adam (its op compiled on first use)
-on several threads, and compute torch's AdamW."""
+"""Offloaded optimizer states are stepped by DeepSpeed's CPU Adam on several threads and compute
+torch's AdamW (in `make test-e2e`: compiling the op on first use takes one to two minutes)."""
 
 import torch
 
