@@ -15,7 +15,7 @@ import httpx
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.auth import bearer_headers
-from rlmesh.runtime.tls import client_ssl_context, tls_from_env
+from rlmesh.runtime.tls import https_context
 
 FLATTENED_BUCKET = "flattened_bucket"
 # The first SGLang release whose UpdateWeightsFromDistributedReqInput has ``load_format`` (0.5.5.post3
@@ -68,13 +68,12 @@ class EngineClient:
         if token is None:
             token = os.environ.get(ENV_AUTH_TOKEN)
         self._sends_token = bool(token)
-        tls = tls_from_env() if self.url.startswith("https:") else None
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             headers=bearer_headers(token),
             # The run's CA (rlmesh.security.tls) and this process's certificate, for mutual TLS.
-            verify=client_ssl_context(tls) if tls else True,
+            verify=https_context(self.url) or True,
         )
         self._has_begin_end: bool | None = None
         # Paths that answered (SGLang 0.5.6+ names first, the deprecated ``get_`` names after a 404).

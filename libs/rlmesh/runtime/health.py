@@ -9,7 +9,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlmesh.runtime.tls import client_ssl_context, sync_channel, tls_from_env
+from rlmesh.runtime.tls import https_context, sync_channel
 
 
 def grpc_health(address: str, service: str = "", timeout_s: float = 2.0) -> str:
@@ -72,10 +72,8 @@ def scrape_metrics(host: str, port: int, timeout_s: float = 2.0) -> str:
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     """True when GET ``url`` answers 200."""
-    tls = tls_from_env() if url.startswith("https:") else None
-    context = client_ssl_context(tls) if tls else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=https_context(url)) as resp:
             return resp.status == 200
     except OSError:
         return False

@@ -126,8 +126,12 @@ def _listing_name(run_id: str) -> str:
 
 def read_run_file(path: Path) -> RunInfo | None:
     """The run file at ``path``; None when there is none, or it is not one (a half-written or
-    foreign file is no run)."""
+    foreign file is no run). One another user owns or may write is none either: ctl would send the
+    token to the URL it names."""
     try:
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return None
         data: Any = json.loads(path.read_text())
         data.pop("path", None)
         return RunInfo(**data, path=path)

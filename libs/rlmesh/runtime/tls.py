@@ -118,6 +118,13 @@ def client_ssl_context(files: TlsFiles) -> ssl.SSLContext:
     return context
 
 
+def https_context(url: str) -> ssl.SSLContext | None:
+    """The client context an ``https://`` URL is reached with: the run's CA and this process's
+    certificate (from its environment); None for plain HTTP or no TLS settings (system CAs)."""
+    files = tls_from_env() if url.startswith("https:") else None
+    return client_ssl_context(files) if files else None
+
+
 def uvicorn_ssl(files: TlsFiles | None) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments that serve HTTPS with ``files`` ({} for plain HTTP)."""
     if files is None:

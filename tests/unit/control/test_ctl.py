@@ -90,6 +90,18 @@ def test_a_file_that_is_no_run_file_is_ignored(tmp_path):
     assert read_run_file(tmp_path / "none.json") is None
 
 
+def test_a_run_file_others_may_write_is_not_trusted(tmp_path):
+    """ctl would send the token to the URL a run file names: one another user could have written
+    (group- or world-writable) is no run."""
+    files, _ = published(tmp_path)
+    here = files.paths[0]
+    assert read_run_file(here) is not None
+    here.chmod(0o666)
+    assert read_run_file(here) is None
+    here.chmod(0o600)
+    files.remove()
+
+
 def test_overrides_before_the_command_are_the_configs():
     argv = ["-c", "job.yaml", "trainer.default_local_dir=/r", "--json", "set", "actor_lr=1e-6"]
     assert split_overrides(argv) == (
