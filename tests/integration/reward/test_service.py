@@ -17,7 +17,7 @@ from rlmesh.models import build_tokenizer
 from rlmesh.queue import connect
 from rlmesh.reward import RewardClient, ServiceCallError, get_reward_addresses, set_reward_addresses
 from rlmesh.runtime.health import scrape_metrics
-from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+from rlmesh.runtime.launcher import LaunchError
 from rlmesh.runtime.net import free_port
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -49,12 +49,6 @@ def two_args(solution, truth):
 
 def port_overrides():
     return ["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory):
-    with ProcessLauncher(tmp_path_factory.mktemp("reward-svc"), stop_grace_s=10) as launcher:
-        yield launcher
 
 
 @pytest.fixture(scope="module")
