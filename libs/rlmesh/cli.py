@@ -89,8 +89,22 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
         print(dump_public_yaml(cfg), end="")  # secrets masked: output gets pasted into issues
         if plan is not None:  # as YAML comments: the output still loads as a config
             print("\n".join(f"# {line}" for line in plan.describe().splitlines()))
-    else:
-        print("configuration is valid")
+        return 0
+    if args.schema_only:
+        print("configuration is valid (--schema-only: the model, data and reward it names are not checked)")
+        return 0
+    from rlmesh.job.preflight import format_problems, run_preflight
+
+    report = run_preflight(cfg, progress=lambda step: print(f"checking: {step}", file=sys.stderr, flush=True))
+    if report.problems:
+        count = f"{len(report.problems)} problem{'s' if len(report.problems) > 1 else ''}"
+        print(f"invalid configuration: {count}:\n{format_problems(report)}", file=sys.stderr)
+        return 2
+    print("configuration is valid")
+    for line in report.checked:
+        print(f"  {line}")
+    for note in [*report.notes, *([report.finished.line()] if report.finished else [])]:
+        print(f"note: {note}")
     return 0
 
 
@@ -197,9 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-aof", action="store_true", help="turn the append-only file off")
     p.set_defaults(func=cmd_redis, passthrough=False)
 
-    p = sub.add_parser("config", help="show or validate a configuration, or list every key")
+    p = sub.add_parser(
+        "config",
+        help="show or validate a configuration (validate also loads the model's config and tokenizer, reads "
+        "the data, calls the reward on its first rows, and says whether the run is already finished), or "
+        "list every key",
+    )
     p.add_argument("action", choices=["show", "validate", "keys"])
     p.add_argument("--config", "-c", help="YAML config file")
+    p.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="validate: the keys, values and cross-field rules only, not the files the config names "
+        "(for a machine without the model or data)",
+    )
     p.set_defaults(func=cmd_config, passthrough=True)
 
     p = sub.add_parser("health", help="gRPC health check of a service")

@@ -84,7 +84,9 @@ def learner_failure(log: Path) -> str:
 
 @pytest.mark.timeout(420)
 def test_a_reward_that_raises_on_a_third_trains_on_whole_groups_and_counts_them(job):
-    proc = rlmesh_train(job["third_config"])
+    # The pre-flight's dry call would stop it first (its third call raises): the run's own rule is
+    # under test here.
+    proc = rlmesh_train(job["third_config"], "--skip-preflight")
     summary_of(proc)  # exit 0
     run_dir = job["root"] / "run-third"
     rows = read_rows(run_dir)
@@ -112,6 +114,7 @@ def test_past_the_threshold_or_always_raising_the_run_stops_naming_the_file_and_
     # A third fail, at most a fifth may: the validation before training stops the run.
     proc = rlmesh_train(
         job["third_config"],
+        "--skip-preflight",
         "rlmesh.reward.max_failed_ratio=0.2",
         f"trainer.default_local_dir={job['root'] / 'run-threshold'}",  # not the finished run's
     )
@@ -125,8 +128,15 @@ def test_past_the_threshold_or_always_raising_the_run_stops_naming_the_file_and_
     assert 'return {"score": extra_info["confidence"]}  # RAISES' in failure
     assert f"KeyError: 'confidence', at {site}" in proc.stderr  # on the terminal, not only the log
 
-    # A reward that always raises, no validation first: step 1 stops, not build_batch, not 30 s on.
-    proc = rlmesh_train(job["always_config"], "trainer.val_before_train=false")
+    # A reward that always raises: the pre-flight's dry call stops it before anything starts.
+    proc = rlmesh_train(job["always_config"])
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{job['always']}:{raise_line(ALWAYS_REWARD)}" in proc.stderr, proc.stderr
+    assert "TypeError: string indices must be integers" in proc.stderr
+    assert not (job["root"] / "run-always" / "services").exists()
+
+    # Past the pre-flight, no validation first: step 1 stops, not build_batch, not 30 s on.
+    proc = rlmesh_train(job["always_config"], "--skip-preflight", "trainer.val_before_train=false")
     line, log = failure_line(proc)
     assert "the learner failed" in line and log.name == "learner.log", line
     failure = learner_failure(log)

@@ -4,6 +4,7 @@ docs/internals.md#rlmeshconfigschema"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -119,9 +120,13 @@ class RLMeshConfig(Section):
 
         trainer = self.trainer
         # The loader resolves this with OmegaConf; a config built in Python gets the same result here.
-        trainer.default_local_dir = trainer.default_local_dir.replace(
-            "${trainer.project_name}", trainer.project_name
-        ).replace("${trainer.experiment_name}", trainer.experiment_name)
+        # "~" expanded once here: every process reads the directory from this field, and a learner
+        # that did not expand it wrote to a directory named "~" under its working directory.
+        trainer.default_local_dir = os.path.expanduser(
+            trainer.default_local_dir.replace("${trainer.project_name}", trainer.project_name).replace(
+                "${trainer.experiment_name}", trainer.experiment_name
+            )
+        )
 
     def uses_critic(self) -> bool:
         """verl's need_critic: critic.enable when set, else only for GAE."""

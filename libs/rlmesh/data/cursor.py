@@ -14,6 +14,14 @@ import numpy as np
 from rlmesh.data.dataset import PromptItem, _cfg_get
 
 
+def total_training_steps(cfg: Any, dataset_len: int) -> int:
+    """verl: ``trainer.total_training_steps``, else ``trainer.total_epochs`` x batches per epoch
+    (``dataset_len // data.train_batch_size``, at least 1)."""
+    if cfg.trainer.total_training_steps:
+        return int(cfg.trainer.total_training_steps)
+    return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
+
+
 class PromptCursor:
     """Hands out batches of dataset indices (or items) epoch after epoch."""
 

@@ -19,6 +19,10 @@ from rlmesh.data.errors import DatasetError
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("error", "left", "right", "middle")
+# An overlong-prompt message names this many rows (and the longest): enough to find them.
+SHOWN_ROWS = 5
+# The settings a message names, as the caller's users spell them (from_config: data.<name>).
+SETTINGS = ("prompt_key", "reward_fn_key", "max_prompt_length", "truncation", "filter_overlong_prompts")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,15 @@ class PromptItem:
     row: int = 0
     file: str = ""
     raw_prompt: list[dict[str, Any]] | str = ""  # the prompt column as read, before templating
+
+
+@dataclass(frozen=True)
+class Overlong:
+    """A prompt longer than max_prompt_length: where it is and its length in tokens."""
+
+    file: str
+    row: int
+    tokens: int
 
 
 def read_parquet(path: str | Path) -> pa.Table:
@@ -79,7 +92,12 @@ def _as_file_list(files: str | Path | list[str | Path] | tuple[str | Path, ...])
 
 
 class RLHFDataset:
-    """Tokenized prompts from one or more verl-layout Parquet files (concatenated in order)."""
+    """Tokenized prompts from one or more verl-layout Parquet files (concatenated in order).
+
+    ``setting_names`` says how the caller's users spell the settings its messages name
+    (``max_prompt_length``, ``truncation``, ...): ``from_config`` gives ``data.<name>``, a command
+    line its option names (``""``: one it does not offer, left out of a hint); a setting not in it
+    is named as the argument is."""
 
     def __init__(
         self,
@@ -94,6 +112,7 @@ class RLHFDataset:
         reward_fn_key: str = "data_source",
         max_samples: int = -1,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        setting_names: Mapping[str, str] | None = None,
     ) -> None:
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
@@ -110,29 +129,86 @@ class RLHFDataset:
         self.max_samples = max_samples
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.setting_names = dict(setting_names or {})
 
         self.items: list[PromptItem] = []
         self.num_rows = 0  # rows read (after max_samples, before filtering)
         self.num_filtered = 0  # rows dropped by filter_overlong_prompts
         self.num_truncated = 0  # rows cut by truncation
+        self.overlong: list[Overlong] = []  # every prompt over max_prompt_length, in order
         for path in self.files:
             if 0 <= max_samples <= self.num_rows:
                 break
             self._load_file(path)
         if self.num_rows == 0:
             raise DatasetError("the dataset has no rows", file=", ".join(self.files))
+        if self.overlong and truncation == "error" and not filter_overlong_prompts:
+            # Every row is counted before this fails: one run of the check says how many to fix.
+            raise DatasetError(
+                f"{self.overlong_summary()}. {self._overlong_remedies()}",
+                file=self._overlong_file(),
+                row=self.overlong[0].row if len(self.overlong) == 1 else None,
+                column=prompt_key,
+            )
         if self.filter_overlong_prompts:
             logger.info(
-                "%s: filtered out %d of %d prompts longer than max_prompt_length=%d; %d left",
-                ", ".join(self.files), self.num_filtered, self.num_rows, max_prompt_length, len(self.items),
+                "%s: filtered out %d of %d prompts longer than %s=%d; %d left",
+                ", ".join(self.files), self.num_filtered, self.num_rows, self.setting("max_prompt_length"),
+                max_prompt_length, len(self.items),
+            )  # fmt: skip
+        elif self.num_truncated:
+            logger.info(
+                "%s: %s; they are cut (%s=%s)",
+                ", ".join(self.files), self.overlong_summary(), self.setting("truncation"), truncation,
             )  # fmt: skip
         if not self.items:
             raise DatasetError(
-                f"all {self.num_rows} prompts are longer than max_prompt_length={max_prompt_length} "
-                "and were filtered out",
+                f"all {self.num_rows} prompts are longer than {self.setting('max_prompt_length')}="
+                f"{max_prompt_length} and were filtered out ({self.setting('filter_overlong_prompts')})",
                 file=", ".join(self.files),
             )
         logger.info("dataset %s: %d prompts", ", ".join(self.files), len(self.items))
+
+    def setting(self, name: str) -> str:
+        """``name`` (a constructor argument) as the caller's users spell it."""
+        return self.setting_names.get(name, name)
+
+    def _overlong_remedies(self) -> str:
+        # Only the settings the caller offers (a name of "" is one it does not).
+        remedies = [f"raise {self.setting('max_prompt_length')}"]
+        if self.setting("truncation"):
+            remedies.append(f"set {self.setting('truncation')} to left, right or middle")
+        if self.setting("filter_overlong_prompts"):
+            remedies.append(f"set {self.setting('filter_overlong_prompts')}=true to drop them")
+        text = ", ".join(remedies[:-1]) + (", or " if len(remedies) > 1 else "") + remedies[-1]
+        return text[0].upper() + text[1:]
+
+    def _overlong_file(self) -> str | None:
+        files = {o.file for o in self.overlong}
+        return next(iter(files)) if len(files) == 1 else None
+
+    def overlong_summary(self) -> str:
+        """How many prompts are over max_prompt_length, a few of their rows and the longest; empty
+        when none is. The rows carry their file's name when they are in several files."""
+        if not self.overlong:
+            return ""
+        one_file = self._overlong_file() is not None
+
+        def where(o: Overlong) -> str:
+            return f"row {o.row}" if one_file else f"{o.file} row {o.row}"
+
+        shown = [f"{where(o)} ({o.tokens} tokens)" for o in self.overlong[:SHOWN_ROWS]]
+        more = len(self.overlong) - len(shown)
+        longest = max(self.overlong, key=lambda o: o.tokens)
+        text = (
+            f"{len(self.overlong)} of {self.num_rows} prompts are longer than "
+            f"{self.setting('max_prompt_length')}={self.max_prompt_length} tokens: "
+            + ", ".join(shown)
+            + (f" and {more} more" if more else "")
+        )
+        if more:  # else it is among those shown
+            text += f"; the longest is {where(longest)} ({longest.tokens} tokens)"
+        return text
 
     @classmethod
     def from_config(
@@ -159,6 +235,7 @@ class RLHFDataset:
             "chat_template_kwargs": dict(_cfg_get(data_cfg, "apply_chat_template_kwargs", {})),
         }
         kwargs.update(overrides)
+        kwargs.setdefault("setting_names", {name: f"data.{name}" for name in SETTINGS})
         return cls(files, tokenizer, **kwargs)
 
     def __len__(self) -> int:
@@ -174,10 +251,16 @@ class RLHFDataset:
         required = [self.prompt_key, self.reward_fn_key]
         if self.require_ground_truth:
             required.append("reward_model")
+        needed_for = {
+            self.prompt_key: f"the prompts ({self.setting('prompt_key')})",
+            self.reward_fn_key: f"the reward function's data_source ({self.setting('reward_fn_key')})",
+            "reward_model": "each row's {style, ground_truth} for the reward function",
+        }
         for name in required:
             if name not in table.column_names:
                 raise DatasetError(
-                    f"missing column (the file has: {', '.join(table.column_names) or 'none'})",
+                    f"missing column, which holds {needed_for[name]} (the file has: "
+                    f"{', '.join(table.column_names) or 'none'})",
                     file=path,
                     column=name,
                 )
@@ -205,17 +288,12 @@ class RLHFDataset:
         for i, (row, text, ids) in enumerate(zip(rows, texts, all_ids, strict=True)):
             ids = list(ids)
             if len(ids) > self.max_prompt_length:
+                self.overlong.append(Overlong(path, i, len(ids)))
                 if self.filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
                 if self.truncation == "error":
-                    raise DatasetError(
-                        f"prompt is {len(ids)} tokens, longer than max_prompt_length={self.max_prompt_length} "
-                        "(raise it, set truncation to left/right/middle, or filter_overlong_prompts)",
-                        file=path,
-                        row=i,
-                        column=self.prompt_key,
-                    )
+                    continue  # __init__ raises once every file is counted
                 ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
                 text = self.tokenizer.decode(ids, skip_special_tokens=False)
                 self.num_truncated += 1

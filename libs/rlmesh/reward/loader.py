@@ -99,8 +99,20 @@ def _load_file(path: str, what: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise RewardFunctionLoadError(f"{what}: running {str(file)!r} raised {type(e).__name__}: {e}") from e
+        raise RewardFunctionLoadError(
+            f"{what}: running {str(file)!r} raised {type(e).__name__}: {e}{_import_site(e, str(file))}"
+        ) from e
     return module
+
+
+def _import_site(e: Exception, file: str) -> str:
+    """``, at file:line`` of the line of ``file`` that failed while it was imported."""
+    from rlmesh.reward.frames import raise_site, user_frames
+
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        return f", at {e.filename}:{e.lineno}"
+    site = raise_site(user_frames(e, file), file)
+    return f", at {site}" if site else ""
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -123,8 +135,18 @@ def check_signature(fn: Callable[..., Any], kwargs: Mapping[str, Any], what: str
         raise RewardFunctionLoadError(
             f"{what}: signature {sig} does not fit: it must accept the keyword arguments "
             f"{', '.join(REWARD_ARGUMENTS)}{extra} (verl's compute_score(data_source, solution_str, "
-            f"ground_truth, extra_info=None)); {e}"
+            f"ground_truth, extra_info=None)); {e}{_defined_at(fn)}"
         ) from e
+
+
+def _defined_at(fn: Callable[..., Any]) -> str:
+    """``; defined at file:line`` where ``fn`` is, empty when Python cannot tell."""
+    try:
+        target = inspect.unwrap(fn)
+        file, line = inspect.getsourcefile(target), inspect.getsourcelines(target)[1]
+    except (TypeError, OSError):
+        return ""
+    return f"; defined at {file}:{line}" if file else ""
 
 
 def load_reward_function(

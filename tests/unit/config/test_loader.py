@@ -468,3 +468,10 @@ def test_an_async_run_without_is_correction_is_warned() -> None:
         warnings.simplefilter("error")
         load_config(None, ["rlmesh.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"])
         load_config(None, ["rlmesh.max_staleness=0"])
+
+
+def test_a_home_relative_checkpoint_directory_is_expanded_for_every_process() -> None:
+    cfg = load_config(
+        None, ["trainer.default_local_dir=~/ckpt/${trainer.experiment_name}", "trainer.experiment_name=x"]
+    )
+    assert cfg.trainer.default_local_dir == str(Path.home() / "ckpt" / "x")

@@ -107,6 +107,76 @@ def test_truncation_error_names_row_and_length(tmp_path, tok):
     assert (e.value.row, e.value.column) == (1, "prompt")
 
 
+def _overlong(tmp_path, name, count, long_rows):
+    rows = [row("x" * (40 + i) if i in long_rows else "ab") for i in range(count)]
+    return write(tmp_path / name, rows)
+
+
+def test_truncation_error_counts_every_overlong_row(tmp_path, tok):
+    f = _overlong(tmp_path, "many.parquet", 12, long_rows={2, 3, 5, 8, 9, 11})
+    e = _err(lambda: RLHFDataset(f, tok, max_prompt_length=30))
+    msg = str(e)
+    # Every row is counted, a few are named, and the longest (row 11: 19 + 51 tokens).
+    assert msg.startswith(
+        f"{f}, column 'prompt': 6 of 12 prompts are longer than max_prompt_length=30 tokens: "
+    )
+    assert (
+        "row 2 (61 tokens), row 3 (62 tokens), row 5 (64 tokens), row 8 (67 tokens), row 9 (68 tokens)" in msg
+    )
+    assert "and 1 more; the longest is row 11 (70 tokens)" in msg
+    assert "set truncation to left, right or middle, or set filter_overlong_prompts=true" in msg
+    assert (e.file, e.row, e.column) == (str(f), None, "prompt")  # several rows: none is the row
+
+
+def test_overlong_message_uses_the_callers_setting_names(tmp_path, tok):
+    f = _overlong(tmp_path, "one.parquet", 3, long_rows={1})
+    e = _err(
+        lambda: RLHFDataset(
+            f, tok, max_prompt_length=30, setting_names={"max_prompt_length": "--max-prompt-length"}
+        )
+    )
+    assert "longer than --max-prompt-length=30 tokens: row 1 (60 tokens)" in str(e)
+    assert "Raise --max-prompt-length, set truncation to" in str(e)
+    # A command line without truncation or filtering: its one remedy.
+    names = {"max_prompt_length": "--max-prompt-length", "truncation": "", "filter_overlong_prompts": ""}
+    e = _err(lambda: RLHFDataset(f, tok, max_prompt_length=30, setting_names=names))
+    assert str(e).endswith("row 1 (60 tokens). Raise --max-prompt-length")
+    # from_config: verl's full key names.
+    e = _err(lambda: RLHFDataset.from_config({"train_files": str(f), "max_prompt_length": 30}, tok))
+    assert "longer than data.max_prompt_length=30 tokens" in str(e)
+    assert "set data.truncation to left, right or middle, or set data.filter_overlong_prompts=true" in str(e)
+    e = _err(lambda: RLHFDataset.from_config({"train_files": str(f), "max_prompt_length": 5,
+                                              "filter_overlong_prompts": True}, tok))  # fmt: skip
+    assert "all 3 prompts are longer than data.max_prompt_length=5" in str(e)
+    assert "(data.filter_overlong_prompts)" in str(e)
+
+
+def test_overlong_rows_in_several_files_name_their_file(tmp_path, tok):
+    a = _overlong(tmp_path, "a.parquet", 3, long_rows={0})
+    b = _overlong(tmp_path, "b.parquet", 3, long_rows={2})
+    e = _err(lambda: RLHFDataset([a, b], tok, max_prompt_length=30))
+    assert str(e).startswith(
+        f"column 'prompt': 2 of 6 prompts are longer than max_prompt_length=30 tokens: {a} row 0 (59 tokens), "
+        f"{b} row 2 (61 tokens)"
+    )
+    assert e.file is None
+
+
+def test_truncated_prompts_are_counted_and_summarised(tmp_path, tok, caplog):
+    f = _overlong(tmp_path, "cut.parquet", 4, long_rows={1, 3})
+    with caplog.at_level(logging.INFO, logger="rlmesh.data.dataset"):
+        ds = RLHFDataset.from_config(
+            {"train_files": str(f), "max_prompt_length": 30, "truncation": "right"}, tok
+        )
+    assert len(ds) == 4 and ds.num_truncated == 2
+    assert [(o.row, o.tokens) for o in ds.overlong] == [(1, 60), (3, 62)]
+    summary = "2 of 4 prompts are longer than data.max_prompt_length=30 tokens: row 1 (60 tokens), row 3 (62 tokens)"
+    assert ds.overlong_summary() == summary
+    assert any(
+        summary in r.getMessage() and "data.truncation=right" in r.getMessage() for r in caplog.records
+    )
+
+
 def test_filter_overlong_prompts(tmp_path, tok, caplog):
     rows = [row("ab"), row("x" * 40), row("cd"), row("y" * 50)]
     f = write(tmp_path / "f.parquet", rows)
