@@ -5,13 +5,23 @@ docs/algorithms.md#log-probabilities-and-metrics"""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from rlmesh.algo.kl import kl_penalty
 from rlmesh.algo.masked import masked_mean
 
-__all__ = ["compute_approx_kl", "compute_clipfrac", "compute_data_metrics", "masked_stats"]
+__all__ = [
+    "bootstrap_metric",
+    "compute_approx_kl",
+    "compute_clipfrac",
+    "compute_data_metrics",
+    "masked_stats",
+    "process_validation_metrics",
+]
 
 
 def compute_clipfrac(
@@ -166,3 +176,107 @@ def compute_data_metrics(
         metrics[f"{prefix}/clip_ratio"] = clipped.mean().item() if clipped.numel() else math.nan
     metrics["response/aborted_ratio"] = (~non_aborted).float().mean().item()
     return metrics
+
+
+def bootstrap_metric(
+    data: Sequence[float],
+    subset_size: int,
+    reduce_fns: Sequence[Callable[[np.ndarray], float]],
+    n_bootstrap: int = 1000,
+    seed: int = 42,
+) -> list[tuple[float, float]]:
+    """verl's ``bootstrap_metric``: the mean and std (ddof 0) over ``n_bootstrap`` draws of
+    ``subset_size`` values with replacement of each ``reduce_fn`` of the draw; the draws are verl's
+    (``np.random.seed(seed)`` then one ``choice``), from a generator of their own here.
+
+    .. math:: \\left(\\overline{f(x_{I_b})},\\ \\mathrm{std}_b\\, f(x_{I_b})\\right),
+        \\qquad I_b \\sim \\mathcal{U}\\{1..n\\}^{k}
+    """
+    idx = _bootstrap_indices(len(data), subset_size, n_bootstrap, seed)
+    draws = np.asarray(data, dtype=np.float64)[idx]
+    out = []
+    for fn in reduce_fns:
+        results = np.array([fn(row) for row in draws], dtype=np.float64)
+        out.append((float(np.mean(results)), float(np.std(results))))
+    return out
+
+
+def _bootstrap_indices(n_data: int, subset_size: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    # What verl's np.random.seed(seed); np.random.choice(...) draws, without touching the global RNG.
+    return np.random.RandomState(seed).choice(n_data, size=(n_bootstrap, subset_size), replace=True)
+
+
+def _bootstrap_sizes(n_resps: int) -> list[int]:
+    """verl's subset sizes for ``best@n``/``worst@n``: 2, 4, 8, ... below ``n_resps``, then ``n_resps``."""
+    if n_resps <= 1:
+        return []
+    sizes, n = [], 2
+    while n < n_resps:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, n_resps]
+
+
+def _per_prompt_metrics(values: np.ndarray, seed: int, n_bootstrap: int) -> dict[str, np.ndarray]:
+    """verl's per-prompt statistics of ``values`` ``(prompts, n)`` (every prompt with ``n`` samples),
+    one entry per prompt: ``mean@n``, and with ``n > 1`` ``std@n`` and the bootstrapped
+    ``best@k/{mean,std}``, ``worst@k/{mean,std}``."""
+    n = values.shape[1]
+    out = {f"mean@{n}": values.mean(axis=1)}
+    if n > 1:
+        out[f"std@{n}"] = values.std(axis=1)
+        for k in _bootstrap_sizes(n):
+            idx = _bootstrap_indices(n, k, n_bootstrap, seed)
+            best, worst = [], []
+            for start in range(0, len(values), 64):  # (64, n_bootstrap, k) at a time
+                draws = values[start : start + 64][:, idx]
+                best.append(draws.max(axis=2))
+                worst.append(draws.min(axis=2))
+            for name, results in (("best", np.concatenate(best)), ("worst", np.concatenate(worst))):
+                out[f"{name}@{k}/mean"] = results.mean(axis=1)
+                out[f"{name}@{k}/std"] = results.std(axis=1)
+    return out
+
+
+def process_validation_metrics(
+    data_sources: Sequence[str],
+    sample_uids: Sequence[Hashable],
+    infos_dict: Mapping[str, Sequence[float]],
+    seed: int = 42,
+    n_bootstrap: int = 1000,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """verl's ``process_validation_metrics`` (``metric_utils.py``) on numbers:
+    ``{data_source: {variable: {metric: value}}}``.
+
+    The samples of one prompt share a uid. For each data source, variable (a key of
+    ``infos_dict``: ``reward``, and a reward function's extra values) and prompt: ``mean@n`` and,
+    with ``n > 1`` samples, ``std@n`` (ddof 0), ``best@k/{mean,std}`` and ``worst@k/{mean,std}``
+    for ``k`` = 2, 4, ... and ``n`` (:func:`bootstrap_metric` of max / min); each then averaged
+    over the prompts that have it. A NaN value (the sample lacks the variable) is left out, so a
+    prompt may count fewer samples for one variable; verl requires every sample to have every
+    variable. ``maj@k`` needs verl's string ``pred`` variable, which numbers cannot carry: not
+    computed.
+    """
+    grouped: dict[str, dict[str, dict[Hashable, list[float]]]] = defaultdict(lambda: defaultdict(dict))
+    for var, values in infos_dict.items():
+        if len(values) != len(data_sources) or len(sample_uids) != len(data_sources):
+            raise ValueError(
+                f"{var}: {len(values)} values for {len(data_sources)} data sources and {len(sample_uids)} uids"
+            )
+        for source, uid, value in zip(data_sources, sample_uids, values, strict=True):
+            if not math.isnan(value):
+                grouped[source][var].setdefault(uid, []).append(float(value))
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for source, variables in grouped.items():
+        for var, by_uid in variables.items():
+            by_count: dict[int, list[list[float]]] = defaultdict(list)
+            for vals in by_uid.values():
+                by_count[len(vals)].append(vals)
+            per_prompt: dict[str, list[np.ndarray]] = defaultdict(list)
+            for rows in by_count.values():
+                for name, values in _per_prompt_metrics(np.array(rows), seed, n_bootstrap).items():
+                    per_prompt[name].append(values)
+            result.setdefault(source, {})[var] = {
+                name: float(np.mean(np.concatenate(parts))) for name, parts in per_prompt.items()
+            }
+    return result

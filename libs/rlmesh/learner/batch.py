@@ -5,18 +5,21 @@ docs/internals.md#rlmeshlearnerbatch"""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from rlmesh.algo import compute_data_metrics, place_scores_on_last_token
+from rlmesh.reward.values import MAX_REWARD_EXTRA_KEYS
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
 __all__ = [
     "LOG_PROB_SLACK",
     "MAX_ABS_SCORE",
+    "MAX_REWARD_EXTRA_KEYS",
     "MAX_TRAJECTORY_BYTES",
     "MIN_LOG_PROB",
     "BatchError",
@@ -24,6 +27,9 @@ __all__ = [
     "batch_metrics",
     "build_batch",
     "compute_position_ids",
+    "reward_extra_columns",
+    "reward_extra_metrics",
+    "reward_extra_name",
     "staleness_metrics",
     "validate_trajectory",
 ]
@@ -40,6 +46,8 @@ LOG_PROB_SLACK = 1e-3
 MIN_LOG_PROB = -1e4
 # A trajectory of 32k prompt and 32k response tokens with both log-probs and its text is a few MiB.
 MAX_TRAJECTORY_BYTES = 64 << 20
+MAX_REWARD_EXTRA_NAME = 64
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_]")
 
 
 class BatchError(ValueError):
@@ -79,6 +87,9 @@ class PPOBatch:
     policy_versions: np.ndarray
     data_sources: list[str] = field(default_factory=list)
     reward_baselines: torch.Tensor | None = None
+    # The reward function's extra values by metric name (reward_extra_columns): (bs,) float64, NaN
+    # where a row's reward did not return that key.
+    reward_extra: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -112,6 +123,7 @@ class PPOBatch:
             policy_versions=self.policy_versions[np_idx],
             data_sources=[self.data_sources[i] for i in np_idx] if self.data_sources else [],
             reward_baselines=None if self.reward_baselines is None else self.reward_baselines[idx],
+            reward_extra={name: values[np_idx] for name, values in self.reward_extra.items()},
         )
 
 
@@ -216,6 +228,47 @@ def validate_trajectory(
             f"replica {t.replica_id!r} did not generate one (an older replica?)",
         )
     return None if problem is None else f"{problem[0]}: {problem[1]}"
+
+
+def reward_extra_name(key: str) -> str:
+    """A reward's extra key as a metric name part: ASCII letters, digits and ``_`` (anything else
+    becomes ``_``), at most ``MAX_REWARD_EXTRA_NAME`` characters. Prometheus takes it as it is, and
+    two names that differ stay two gauges (the learner's gauge name turns every other character
+    into ``_`` too)."""
+    return _NOT_IN_NAME.sub("_", key)[:MAX_REWARD_EXTRA_NAME] or "_"
+
+
+def reward_extra_columns(
+    extras: Sequence[Mapping[str, float]], max_keys: int = MAX_REWARD_EXTRA_KEYS
+) -> dict[str, np.ndarray]:
+    """The extra values of ``extras`` (one mapping per sample, as ``Trajectory.reward_extra``) by
+    metric name: ``{name: (n,) float64}``, NaN where a sample has no value for it.
+
+    Keys become names by :func:`reward_extra_name`; the first ``max_keys`` names in sorted order
+    are kept, the rest dropped. Keys that give one name are one column, the value of the first key
+    in sorted order winning in a sample that has several.
+    """
+    names: dict[str, str] = {}
+    for key in sorted({k for e in extras for k in e}):
+        names[key] = reward_extra_name(key)
+    kept = sorted(set(names.values()))[:max_keys]
+    columns = {name: np.full(len(extras), np.nan) for name in kept}
+    for i, extra in enumerate(extras):
+        for key in sorted(extra, reverse=True):  # the first key in sorted order is written last
+            column = columns.get(names[key])
+            if column is not None:
+                column[i] = extra[key]
+    return columns
+
+
+def reward_extra_metrics(reward_extra: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """``reward_extra/<name>/mean``: each extra value's mean over the samples that have it (verl
+    logs them only at validation, as ``val-core``/``val-aux``; rlmesh also logs them every step)."""
+    return {
+        f"reward_extra/{name}/mean": float(np.nanmean(values))
+        for name, values in reward_extra.items()
+        if not np.isnan(values).all()
+    }
 
 
 def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -323,6 +376,7 @@ def build_batch(
             if with_baselines
             else None
         ),
+        reward_extra=reward_extra_columns([t.reward_extra for t in trajectories]),
     )
 
 
@@ -339,9 +393,11 @@ def batch_metrics(
     ``critic/{score,rewards,advantages,returns,values}/{mean,max,min}``, ``critic/vf_explained_var``,
     ``{response,prompt}_length/{mean,max,min,clip_ratio}`` (the share of samples at
     ``max_response_length`` / ``max_prompt_length``), ``response_length_non_aborted/*`` and
-    ``response/aborted_ratio`` (0 here: empty responses are refused before a batch is built).
+    ``response/aborted_ratio`` (0 here: empty responses are refused before a batch is built); and
+    ``reward_extra/<name>/mean`` for each extra value of the reward function
+    (:func:`reward_extra_metrics`).
     """
-    return compute_data_metrics(
+    metrics = compute_data_metrics(
         batch.token_level_scores,
         token_level_rewards,
         advantages,
@@ -352,6 +408,8 @@ def batch_metrics(
         max_response_length,
         values,
     )
+    metrics.update(reward_extra_metrics(batch.reward_extra))
+    return metrics
 
 
 def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:

@@ -1,6 +1,5 @@
-"""Supervised warm-up (``rlmesh sft``): teach a model the answer format before RL.
-
-docs/train.md#rlmesh-sft"""
+"""Supervised warm-up (``rlmesh sft``): teach a model the answer format before RL, on the RL
+Parquet itself (prompt -> a target column + eos). docs/train.md#rlmesh-sft"""
 
 from __future__ import annotations
 
@@ -19,7 +18,17 @@ from transformers import AutoModelForCausalLM
 from rlmesh.algo import logprobs_from_logits
 from rlmesh.learner.hf_dir import copy_tokenizer
 
-__all__ = ["collate_sft", "greedy_accuracy", "main", "run_sft", "sft_loss"]
+__all__ = [
+    "DEFAULT_TARGET_KEY",
+    "arithmetic_examples",
+    "collate_sft",
+    "greedy_accuracy",
+    "main",
+    "run_sft",
+    "sft_examples",
+    "sft_loss",
+    "target_ids",
+]
 
 Example = tuple[Sequence[int], Sequence[int]]
 
@@ -75,12 +84,21 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[to
 
 
 def greedy_accuracy(
-    model: torch.nn.Module, tokenizer: Any, items: Sequence[Any], max_new_tokens: int, batch_size: int = 256
+    model: torch.nn.Module,
+    tokenizer: Any,
+    items: Sequence[Any],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    *,
+    score_fn: Callable[[str, str, Any, Any], Any] | None = None,
 ) -> float:
-    """Mean reward of greedy responses to ``items`` (:class:`rlmesh.data.PromptItem`), scored by the
-    built-in reward of each item's data source: what validation computes, with plain HF generate."""
+    """Mean reward of greedy responses to ``items`` (:class:`rlmesh.data.PromptItem`), scored by
+    ``score_fn(data_source, solution_str, ground_truth, extra_info)`` (a float or a dict with
+    ``score``; default the built-in reward of each item's data source): what validation computes,
+    with plain HF generate and the response decoded without special tokens, as the reward sees it."""
     from rlmesh.reward.builtin import default_compute_score
 
+    score_fn = score_fn or default_compute_score
     was_training = model.training
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -104,7 +122,7 @@ def greedy_accuracy(
             )
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         for text, it in zip(texts, chunk, strict=True):
-            score = default_compute_score(it.data_source, text, it.ground_truth, it.extra_info)
+            score = score_fn(it.data_source, text, it.ground_truth, it.extra_info)
             total += float(score["score"] if isinstance(score, dict) else score)
     model.train(was_training)
     return total / max(len(items), 1)
@@ -223,9 +241,36 @@ def run_sft(
     }
 
 
-def arithmetic_examples(data: str | list[str], tokenizer: Any, max_prompt_length: int = 512, max_samples: int = -1) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:  # fmt: skip
-    """``(prompt_ids, target_ids)`` for every ``arithmetic`` row of a verl-layout Parquet; the
-    second value counts the rows of other data sources (skipped: no target format for them)."""
+# The ground truth, as verl's RL rows hold it: what ``rlmesh sft`` trains toward unless told otherwise.
+DEFAULT_TARGET_KEY = "reward_model.ground_truth"
+# ``--target-format`` puts the target where this placeholder is.
+TARGET_PLACEHOLDER = "{target}"
+
+
+def target_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text`` then the end-of-sequence token, as token ids (no other special tokens added): the
+    target of one SFT example. The eos is appended by id, so a tokenizer that would split its eos
+    token's text still ends the target with it."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            "the tokenizer has no end-of-sequence token (eos_token): set one, SFT targets end with it"
+        )
+    return [*tokenizer.encode(text, add_special_tokens=False), int(tokenizer.eos_token_id)]
+
+
+# How a dataset's messages name the settings: as this command's options ("" drops a remedy it lacks).
+SETTING_NAMES = {
+    "max_prompt_length": "--max-prompt-length",
+    "prompt_key": "--prompt-key",
+    "truncation": "",
+    "filter_overlong_prompts": "",
+}
+
+
+def arithmetic_examples(data: str | list[str], tokenizer: Any, max_prompt_length: int = 512, max_samples: int = -1) -> tuple[list[Example], dict[str, int]]:  # fmt: skip
+    """``(prompt_ids, target_ids)`` for every ``arithmetic`` row of a verl-layout Parquet, the target
+    ``format_arithmetic_solution(ground_truth)`` (``#### 33``); the second value counts the rows of
+    other data sources (skipped). What the demo warms up on."""
     from rlmesh.data import ARITHMETIC_DATA_SOURCE, RLHFDataset, format_arithmetic_solution
 
     dataset = RLHFDataset(data, tokenizer, max_prompt_length=max_prompt_length, max_samples=max_samples)
@@ -234,19 +279,128 @@ def arithmetic_examples(data: str | list[str], tokenizer: Any, max_prompt_length
         if item.data_source != ARITHMETIC_DATA_SOURCE:
             skipped[item.data_source] = skipped.get(item.data_source, 0) + 1
             continue
-        text = format_arithmetic_solution(item.ground_truth) + tokenizer.eos_token
-        examples.append((list(item.prompt_ids), tokenizer.encode(text, add_special_tokens=False)))
+        examples.append(
+            (list(item.prompt_ids), target_ids(tokenizer, format_arithmetic_solution(item.ground_truth)))
+        )
     return examples, skipped
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _target_text(value: Any, file: str, row: int, key: str) -> str:
+    """The target of one row as text, or a DatasetError naming the file, row and key."""
+    from rlmesh.data import DatasetError
+
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise DatasetError("no target (null or empty): every row needs one to train on", file=file, row=row, column=key)  # fmt: skip
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(f"the target is a {type(value).__name__}, not a string or a number", file=file, row=row, column=key)  # fmt: skip
+
+
+def _column_values(path: str, key: str, cache: dict[str, list[Any]]) -> list[Any]:
+    """Every row's value at ``key`` (``column`` or ``column.field.field``) in the file at ``path``;
+    a row whose struct lacks a field holds None."""
+    from rlmesh.data import DatasetError, read_parquet
+
+    if path not in cache:
+        column, *fields = key.split(".")
+        table = read_parquet(path)
+        if column not in table.column_names:
+            raise DatasetError(
+                f"no column {column!r} for the SFT target {key!r} (the file has: {', '.join(table.column_names)})",
+                file=path,
+                column=key,
+            )
+        values = table.column(column).to_pylist()
+        for field in fields:
+            values = [v.get(field) if isinstance(v, dict) else None for v in values]
+        cache[path] = values
+    return cache[path]
+
+
+def sft_examples(
+    data: str | list[str],
+    tokenizer: Any,
+    *,
+    target_key: str = DEFAULT_TARGET_KEY,
+    target_format: str | None = None,
+    prompt_key: str = "prompt",
+    max_prompt_length: int = 512,
+    max_samples: int = -1,
+) -> list[Example]:
+    """``(prompt_ids, target_ids)`` for every row of verl-layout Parquet files.
+
+    The prompt is rendered as the RL prompts are (:class:`rlmesh.data.RLHFDataset`: the tokenizer's
+    chat template with the generation prompt, or the raw string); the target is the row's value at
+    ``target_key`` (a column, or ``column.field`` into a struct such as ``extra_info.answer``) put
+    into ``target_format`` at ``{target}``, then the eos token. Without ``target_format`` the
+    ground truth of an ``arithmetic`` row reads ``#### <answer>`` (``format_arithmetic_solution``,
+    what the demo trains) and any other target is used as it is.
+
+    Raises:
+        DatasetError: a missing column, or a row without a target (null, empty, or not a string
+            or number), naming the file, the row and the key; and what ``RLHFDataset`` refuses.
+    """
+    from rlmesh.data import ARITHMETIC_DATA_SOURCE, RLHFDataset, format_arithmetic_solution
+
+    if target_format is not None and TARGET_PLACEHOLDER not in target_format:
+        raise ValueError(
+            f"the target format {target_format!r} has no {TARGET_PLACEHOLDER} to put the target in"
+        )
+    dataset = RLHFDataset(
+        data,
+        tokenizer,
+        prompt_key=prompt_key,
+        max_prompt_length=max_prompt_length,
+        max_samples=max_samples,
+        # The target is checked below, wherever it is, with a message about SFT targets.
+        require_ground_truth=False,
+        setting_names=SETTING_NAMES,
+    )
+    columns: dict[str, list[Any]] = {}
+    examples = []
+    for item in dataset.items:
+        text = _target_text(
+            _column_values(item.file, target_key, columns)[item.row], item.file, item.row, target_key
+        )
+        if target_format is not None:
+            text = target_format.replace(TARGET_PLACEHOLDER, text)
+        elif target_key == DEFAULT_TARGET_KEY and item.data_source == ARITHMETIC_DATA_SOURCE:
+            text = format_arithmetic_solution(text)
+        examples.append((list(item.prompt_ids), target_ids(tokenizer, text)))
+    return examples
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rlmesh sft", description="Supervised warm-up on the arithmetic task."
+        prog="rlmesh sft",
+        description="Supervised warm-up on verl-layout Parquet: prompt -> target + eos (docs/train.md#rlmesh-sft).",
     )
     parser.add_argument("--model", required=True, help="HF model directory to start from")
     parser.add_argument("--data", required=True, nargs="+", help="verl-layout Parquet file(s)")
     parser.add_argument("--out", required=True, help="output HF directory")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory; default --model")
+    parser.add_argument(
+        "--target-key",
+        default=DEFAULT_TARGET_KEY,
+        help="the column the target is in, or column.field into a struct (e.g. extra_info.answer); "
+        f"default {DEFAULT_TARGET_KEY}",
+    )
+    parser.add_argument(
+        "--target-format",
+        default=None,
+        help=f"text around the target, with {TARGET_PLACEHOLDER} where it goes (e.g. '#### {TARGET_PLACEHOLDER}'); "
+        "default: the target as it is ('#### <answer>' for arithmetic rows' ground truth)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="Jinja chat template file that replaces the tokenizer's own "
+        "(as actor_rollout_ref.model.custom_chat_template does for RL)",
+    )
+    parser.add_argument("--prompt-key", default="prompt", help="the prompt column (data.prompt_key)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -254,36 +408,104 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-prompt-length", type=int, default=512)
     parser.add_argument("--max-samples", type=int, default=-1, help="use at most this many rows; -1 = all")
     parser.add_argument("--dev", nargs="+", default=None, help="held-out Parquet scored by greedy decoding")
+    parser.add_argument(
+        "--reward",
+        default=None,
+        help="reward function that scores --dev (a file, or pkg.module:function, with verl's compute_score "
+        "signature); default: the built-in reward of each row's data_source",
+    )
     parser.add_argument("--eval-every", type=int, default=25, help="score --dev every this many steps")
     parser.add_argument("--stop-at", type=float, default=None, help="stop once the --dev score reaches this")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="response length when scoring --dev")
+    return parser
+
+
+def _dev_scorer(spec: str | None) -> Callable[[str, str, Any, Any], Any] | None:
+    """The function that scores --dev samples: the user's (sync or async), or None for the built-ins."""
+    if spec is None:
+        return None
+    import asyncio
+
+    from rlmesh.reward.loader import load_reward_function
+
+    fn = load_reward_function(spec)
+
+    def score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> Any:
+        value = fn.call(data_source, solution_str, ground_truth, extra_info)
+        return asyncio.run(value) if fn.is_async else value
+
+    return score
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.stop_at is not None and not args.dev:
         parser.error("--stop-at needs --dev (the held-out split it is checked on)")
+    if args.reward is not None and not args.dev:
+        parser.error("--reward scores --dev: give the held-out split too")
 
-    from transformers import AutoTokenizer
+    from rlmesh.config.actor_rollout_ref import check_chat_template
+    from rlmesh.data import DatasetError, RLHFDataset
+    from rlmesh.models.tokenizer import load_tokenizer
+    from rlmesh.reward.loader import RewardFunctionLoadError
 
-    from rlmesh.data import DatasetError
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.tokenizer or args.model))
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).expanduser().read_text()
+            check_chat_template(chat_template)
+        except (OSError, ValueError) as e:
+            print(f"rlmesh sft: --chat-template {args.chat_template}: {e}", file=sys.stderr)
+            return 2
     try:
-        examples, skipped = arithmetic_examples(
-            args.data, tokenizer, args.max_prompt_length, args.max_samples
+        score_fn = _dev_scorer(args.reward)
+    except RewardFunctionLoadError as e:
+        print(f"rlmesh sft: --reward: {e}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.tokenizer or args.model, chat_template=chat_template)
+    try:
+        examples = sft_examples(
+            args.data,
+            tokenizer,
+            target_key=args.target_key,
+            target_format=args.target_format,
+            prompt_key=args.prompt_key,
+            max_prompt_length=args.max_prompt_length,
+            max_samples=args.max_samples,
         )
-    except DatasetError as e:
+        dev = (
+            RLHFDataset(
+                args.dev,
+                tokenizer,
+                prompt_key=args.prompt_key,
+                max_prompt_length=args.max_prompt_length,
+                setting_names=SETTING_NAMES,
+            ).items
+            if args.dev
+            else None
+        )
+    except (DatasetError, ValueError) as e:
         print(f"rlmesh sft: {e}", file=sys.stderr)
         return 1
-    for source, count in sorted(skipped.items()):
-        print(f"sft: skipped {count} rows of data_source {source!r} (only 'arithmetic' has a target format)")
-    if not examples:
-        print("rlmesh sft: no arithmetic rows in the data", file=sys.stderr)
-        return 1
-    evaluate = None
-    if args.dev:
-        from rlmesh.data import RLHFDataset
+    if dev is not None and score_fn is None:
+        from rlmesh.reward.builtin import builtin_for
 
-        dev = RLHFDataset(args.dev, tokenizer, max_prompt_length=args.max_prompt_length).items
-        evaluate = lambda model: greedy_accuracy(model, tokenizer, dev, args.max_new_tokens)  # noqa: E731
+        unknown = sorted({it.data_source for it in dev if builtin_for(it.data_source) is None})
+        if unknown:
+            print(
+                f"rlmesh sft: no built-in reward scores the --dev rows of data_source {', '.join(map(repr, unknown))}: "
+                "pass your reward function with --reward",
+                file=sys.stderr,
+            )
+            return 2
+    print(f"sft: {len(examples)} examples from {', '.join(args.data)}; target {args.target_key} + eos")
+    evaluate: Callable[[torch.nn.Module], float] | None = None
+    if dev is not None:
+
+        def evaluate(model: torch.nn.Module) -> float:
+            return greedy_accuracy(model, tokenizer, dev, args.max_new_tokens, score_fn=score_fn)
+
     result = run_sft(
         args.model,
         args.out,

@@ -232,6 +232,8 @@ class MetricsSinks:
         self.registry = registry
         self.console = "console" in loggers
         self._gauges: dict[str, Gauge] = {}
+        self._gauge_keys: dict[str, str] = {}  # Prometheus name -> the metric key that has it
+        self._collided: set[str] = set()
         self._wandb: Any = None
         self._wandb_rows: list[list[Any]] = []
         self._wandb_columns: list[str] = []
@@ -287,9 +289,18 @@ class MetricsSinks:
             for key, value in clean.items():
                 gauge = self._gauges.get(key)
                 if gauge is None:
-                    gauge = self._gauges[key] = Gauge(
-                        _prom_name(key), f"learner metric {key}", registry=self.registry
-                    )
+                    name = _prom_name(key)
+                    taken = self._gauge_keys.setdefault(name, key)
+                    if taken != key:  # e.g. val/score/a.b and val/score/a_b: one gauge name
+                        if key not in self._collided:
+                            self._collided.add(key)
+                            log.warning(
+                                "metric %s has the Prometheus name %s of metric %s: it is logged to "
+                                "metrics.jsonl and the trackers, not as a gauge",
+                                key, name, taken,
+                            )  # fmt: skip
+                        continue
+                    gauge = self._gauges[key] = Gauge(name, f"learner metric {key}", registry=self.registry)
                 gauge.set(value)
         if self.console:
             parts = [f"{label} {clean[key]:.4g}" for key, label in CONSOLE_KEYS if key in clean]

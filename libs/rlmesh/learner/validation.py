@@ -1,6 +1,6 @@
-"""Validation: generate for ``data.val_files`` through the rollout replicas (greedy by default,
-``rollout.val_kwargs``), score with the reward service, report ``val/score`` overall and per data
-source and the failed rewards, and keep the samples for ``trainer.log_val_generations``."""
+"""Validation: generate for ``data.val_files`` through the rollout replicas, score with the reward
+service, report ``val/score``, verl's ``val-core``/``val-aux`` (score and reward extras) and the failed
+rewards, keep the samples for ``trainer.log_val_generations``. docs/train.md#the-reward-function"""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import json
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from rlmesh.algo.metrics import process_validation_metrics
 from rlmesh.data import PromptItem
+from rlmesh.learner.batch import reward_extra_columns
 from rlmesh.reward.failures import FailureTally, RewardErrorRule
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.tls import aio_channel
@@ -70,6 +72,26 @@ class ValidationResult:
     failures: FailureTally = field(default_factory=FailureTally)  # the samples whose reward failed
 
 
+def val_core_metrics(
+    data_sources: Sequence[str], sample_uids: Sequence[Hashable], infos: Mapping[str, Sequence[float]]
+) -> dict[str, float]:
+    """verl's validation metrics (``RayPPOTrainer._val_metrics_update``) of ``infos`` (``reward``,
+    the score, and the reward function's extra values; NaN where a sample has none), one value per
+    sample: ``<section>/<data_source>/<variable>/<metric>`` for :func:`process_validation_metrics`'
+    metrics. The section is ``val-core`` for the core variable (``acc`` when the reward returns
+    one, else ``reward``) and its ``mean``/``best`` metrics at the most samples per prompt
+    (``mean@N``, ``best@N/*``); ``val-aux`` for everything else."""
+    metrics: dict[str, float] = {}
+    for source, variables in process_validation_metrics(data_sources, sample_uids, infos).items():
+        core = "acc" if "acc" in variables else "reward"
+        for var, values in variables.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in values)
+            for name, value in values.items():
+                is_core = var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                metrics[f"{'val-core' if is_core else 'val-aux'}/{source}/{var}/{name}"] = value
+    return metrics
+
+
 def select_generations(samples: Sequence[ValGeneration], count: int) -> list[ValGeneration]:
     """The ``count`` samples a validation logs, chosen as verl's ``_maybe_log_val_generations``
     does: sorted by input text, shuffled with a fixed seed (42), the first ``count`` kept. The
@@ -106,6 +128,8 @@ async def run_validation(
     lengths: list[int] = []
     generations: list[ValGeneration] = []
     failures = FailureTally()
+    # (prompt index, sample index, data source, score or NaN, the reward's extra values)
+    per_sample: list[tuple[int, int, str, float, Mapping[str, float]]] = []
 
     async def run_chunk(chunk: Sequence[PromptItem], stub: rollout_pb2_grpc.RolloutStub) -> None:
         reply = await stub.Generate(
@@ -146,6 +170,9 @@ async def run_validation(
             value = rule.validation_score(result.score, failed)
             if value is not None:
                 scores[sample.data_source].append(value)
+            per_sample.append(
+                (*origin, sample.data_source, math.nan if value is None else value, dict(result.extra))
+            )
             generations.append(
                 ValGeneration(
                     input=sample.prompt_text,
@@ -173,6 +200,14 @@ async def run_validation(
     # Under on_error=drop a data source whose every reward failed has no score, rather than 0.
     for source, values in scores.items():
         metrics[f"val/score/{source}"] = sum(values) / len(values)
+    # In validation-set order: verl's bootstrap draws samples by their position within a prompt.
+    per_sample.sort(key=lambda s: (s[0], s[1]))
+    extras = reward_extra_columns([s[4] for s in per_sample])
+    extras.pop("reward", None)  # the score is "reward"; an extra of that name would hide it
+    infos = {"reward": [s[3] for s in per_sample], **extras}
+    # Off the event loop: with val_kwargs.n > 1 the bootstrap of every variable takes a while.
+    sources, uids = [s[2] for s in per_sample], [s[0] for s in per_sample]
+    metrics.update(await asyncio.to_thread(val_core_metrics, sources, uids, infos))
     # Chunks finish in any order: the samples in the validation set's.
     generations.sort(key=lambda g: (g.index, g.sample_index))
     return ValidationResult(metrics, generations, failures)

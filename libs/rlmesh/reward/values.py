@@ -39,6 +39,12 @@ def as_float(value: Any) -> float | None:
     return None
 
 
+# A reward's extra values travel with each sample and become metrics by name: at most this many,
+# the first in sorted order, so a reward that returns a key per sample cannot make thousands of
+# series (or bloat every trajectory).
+MAX_REWARD_EXTRA_KEYS = 32
+
+
 def read_score(value: Any, function: str) -> tuple[float, dict[str, float]]:
     """(score, numeric extras) of ``value``; raises ``NotAScore`` saying what is wrong with it."""
     extra: dict[str, float] = {}
@@ -51,10 +57,12 @@ def read_score(value: Any, function: str) -> tuple[float, dict[str, float]]:
                 f"reward function {function} returned a dict without a 'score' key (keys: {keys})",
             )
         raw = value["score"]
-        for key, item in value.items():
-            number = as_float(item) if key != "score" else None
+        for key in sorted((k for k in value if k != "score"), key=str):
+            number = as_float(value[key])
             if number is not None:
                 extra[str(key)] = number
+                if len(extra) == MAX_REWARD_EXTRA_KEYS:
+                    break
     score = as_float(raw)
     if score is None:
         raise NotAScore(
