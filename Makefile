@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-preflight bench-startup clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -188,6 +188,14 @@ $(TRL_VENV)/.installed: constraints.txt
 
 bench-peer: venv redis-server $(TRL_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
+
+# Each pre-flight mistake's `rlmesh config validate`, timed (under a minute).
+bench-preflight: venv
+	$(BIN)/python benchmarks/bench_preflight.py $(PREFLIGHT_ARGS)
+
+# Launch to first step and last step to exit of the demo's job, phase by phase (a few minutes):
+bench-startup: venv redis-server
+	$(BIN)/python benchmarks/bench_startup.py $(STARTUP_ARGS)
 
 bench-all: bench-queue bench-rollout bench-score bench-learner bench-algo bench
 

@@ -14,6 +14,7 @@ import pytest
 
 from rlmesh.runtime.run_file import RUN_FILE
 from tests.support.jobs import Job, make_files, overrides
+from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.repo import CPU_DEMO, REPO
 
@@ -57,6 +58,12 @@ def test_ctl_finds_a_running_job_without_being_told_where(tmp_path, monkeypatch)
         assert out.returncode == 0 and out.stdout.startswith(f"run {run_id}: "), out.stderr
         out = ctl("status")  # the README's line, from the repository's root
         assert out.returncode == 0 and out.stdout.startswith(f"run {run_id}: "), out.stderr
+        # Held by its start_paused, and said so, once: by the job and by ctl.
+        job.wait_for(r"^\[train\] learner: paused since start \(rlmesh\.learner\.start_paused=true\)", 120)
+        held = "paused since start (rlmesh.learner.start_paused=true)"
+        wait_until(lambda: held in ctl("status").stdout, 120, "ctl status to say the learner is held")
+        out = ctl("status")
+        assert "paused (paused" not in out.stdout and "no rollout replica" not in out.stdout, out.stdout
 
         out = ctl("set", "actor_lr=5")
         assert out.returncode == 1 and out.stderr.startswith("rlmesh ctl set: actor_lr: 5 is outside (0, 1]")

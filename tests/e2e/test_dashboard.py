@@ -80,6 +80,9 @@ def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_p
             "the charts to fill",
         )
         got = points(browser)
+        run_line = browser.js("document.querySelector('#run').textContent")
+        assert "paused from the control plane (rlmesh ctl pause)" in run_line, run_line
+        assert "paused (paused" not in run_line, run_line
         assert browser.js("getComputedStyle(document.querySelector('#token-form')).display") == "none"
         assert browser.js("document.querySelector('#alerts-card').dataset.firing") is not None
         assert all(got[c] > 0 for c in ALWAYS), got

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from rlmesh.job.preflight import DRY_ROWS
 from tests.support.processes import child_env
 from tests.support.repo import REPO
 
@@ -37,6 +38,7 @@ MAX_RESPONSE = 4
 STEPS = 3  # the first run
 MORE_STEPS = 5  # the resumed run
 SOURCE = "my_task"
+DRY_CALLS = 2 * DRY_ROWS  # the pre-flight calls the reward on the first train rows, twice each
 
 REWARD_FILE = '''"""My own reward: the fraction of response words that are the asked-for digit."""
 
@@ -304,7 +306,8 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
     calls = [json.loads(line) for line in user.marker.read_text().splitlines()]
     assert {c["data_source"] for c in calls} == {SOURCE}
     by_split = {s: [c for c in calls if (c["extra_info"] or {}).get("split") == s] for s in ("train", "val")}
-    assert len(by_split["train"]) == STEPS * 8 * 4  # batch x n, each sample scored once
+    # batch x n, each sample scored once, and the pre-flight's dry calls on the first train rows
+    assert len(by_split["train"]) == STEPS * 8 * 4 + DRY_CALLS
     assert len(by_split["val"]) == 2 * len(user.val_prompts)  # before and after
     assert all(c["ground_truth"] in DIGITS for c in calls)
     # Responses are decoded with the user's word-level tokenizer: vocabulary words between spaces.
@@ -344,7 +347,10 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
     learner_log = user.run_dir / "services" / resumed["run_id"] / "logs" / "learner.log"
     assert f"resuming from {user.run_dir / f'global_step_{STEPS}'}" in learner_log.read_text()
     calls = [json.loads(line) for line in user.marker.read_text().splitlines()]
-    assert sum((c["extra_info"] or {}).get("split") == "train" for c in calls) == MORE_STEPS * 8 * 4
+    assert (
+        sum((c["extra_info"] or {}).get("split") == "train" for c in calls)
+        == MORE_STEPS * 8 * 4 + 2 * DRY_CALLS
+    )
     # The re-export is the resumed run's last step, and scores as its last validation did.
     assert greedy_score(Path(resumed["exported_actor"]), user) == pytest.approx(
         rows[-1]["val/score"], abs=0.01
@@ -364,7 +370,8 @@ def test_own_llama_tokenizer_data_and_reward_train_export_and_resume(user):
     assert new_rows[0]["val/score"] == pytest.approx(rows[-1]["val/score"], abs=0.01)  # the same policy
     assert sorted(p.name for p in user.run_dir.glob("global_step_*")) == checkpoints
     after = [json.loads(line) for line in user.marker.read_text().splitlines()][calls_before:]
-    assert [(c["extra_info"] or {}).get("split") for c in after] == ["val"] * len(user.val_prompts)
+    splits = ["train"] * DRY_CALLS + ["val"] * len(user.val_prompts)  # the pre-flight's first
+    assert [(c["extra_info"] or {}).get("split") for c in after] == splits
 
 
 def failure_line(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
@@ -381,42 +388,40 @@ def failure_line(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
 
 @pytest.mark.timeout(240)
 def test_a_service_that_cannot_start_fails_the_job_naming_it_and_its_log(user, tmp_path):
-    # A path that does not exist: the config is valid (the file is only read where the reward
-    # service runs), so it is the reward service that fails at start-up.
+    # Past the pre-flight (which would catch it first, below), a reward file that does not exist
+    # fails the reward service at start-up.
     missing = tmp_path / "no_such_reward.py"
     proc = rlmesh_train(
-        user.config, f"custom_reward_function.path={missing}", f"trainer.default_local_dir={tmp_path / 'a'}"
+        user.config,
+        "--skip-preflight",
+        f"custom_reward_function.path={missing}",
+        f"trainer.default_local_dir={tmp_path / 'a'}",
     )
     line, log = failure_line(proc)
     assert "reward" in line and log.name == "reward.log", line
     assert "no such file" in log.read_text() and str(missing) in log.read_text()
 
-    # A reward file that raises while it is imported.
+    # The pre-flight catches each of these before any service starts: exit 2, the file named.
     broken = tmp_path / "broken_reward.py"
     broken.write_text(
         "raise RuntimeError('my reward needs a GPU')\n\ndef compute_score(**kw):\n    return 0.0\n"
     )
-    proc = rlmesh_train(
-        user.config, f"custom_reward_function.path={broken}", f"trainer.default_local_dir={tmp_path / 'b'}"
-    )
-    line, log = failure_line(proc)
-    assert "reward" in line and log.name == "reward.log", line
-    assert "RuntimeError: my reward needs a GPU" in log.read_text()
-    assert not (tmp_path / "b" / "metrics.jsonl").exists()  # no learner step ran
-
-    # Bad data of the user's: only the learner reads the Parquet files, after the other services
-    # are up. Row 3 of the val file has an empty prompt.
     rows = pq.read_table(user.config.parent / "data" / "val.parquet").to_pylist()
-    rows[3]["prompt"] = ""
+    rows[3]["prompt"] = ""  # row 3 of the val file: an empty prompt
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad_val.parquet")
-    proc = rlmesh_train(
-        user.config,
-        f"data.val_files={tmp_path / 'bad_val.parquet'}",
-        f"trainer.default_local_dir={tmp_path / 'c'}",
-    )
-    line, log = failure_line(proc)
-    assert "learner" in line and log.name == "learner.log", line
-    assert f"{tmp_path / 'bad_val.parquet'}, row 3, column 'prompt': empty prompt" in log.read_text()
+    for name, override, expected in (
+        ("b", f"custom_reward_function.path={missing}", str(missing)),
+        ("c", f"custom_reward_function.path={broken}", f"RuntimeError: my reward needs a GPU, at {broken}:1"),
+        (
+            "d",
+            f"data.val_files={tmp_path / 'bad_val.parquet'}",
+            f"{tmp_path / 'bad_val.parquet'}, row 3, column 'prompt': empty prompt",
+        ),
+    ):
+        proc = rlmesh_train(user.config, override, f"trainer.default_local_dir={tmp_path / name}")
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert expected in proc.stderr, proc.stderr
+        assert not (tmp_path / name).exists()  # nothing started, nothing written
 
 
 @pytest.mark.timeout(300)
@@ -515,6 +520,8 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path)
     assert checkpoint is not None, stdout[-3000:]
     stopped_at = int(Path(checkpoint).name.rsplit("_", 1)[-1])
     assert stopped_at >= 2
+    said = f"[train] last checkpoint: step {stopped_at} ({checkpoint}); running the same command again resumes from it"
+    assert said in stdout.splitlines(), stdout[-3000:]
     again = rlmesh_train(user.config, *overrides[:1], f"trainer.total_training_steps={stopped_at + 1}")
     summary = summary_of(again)
     assert f"[train] resumed from the checkpoint of step {stopped_at}\n" in again.stdout, again.stdout

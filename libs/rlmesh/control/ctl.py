@@ -287,10 +287,14 @@ def show_status(args: argparse.Namespace, body: dict[str, Any]) -> str:
     state = body["phase"].replace("_", " ")
     if body["paused"] and body["phase"] != "paused":
         state += ", pausing after this step"
-    message = f" ({body['message']})" if body.get("message") else ""
+    message = body.get("message") or ""
+    if message.startswith(state):  # "paused since start (...)": the message says it all
+        state = message
+    elif message:
+        state += f" ({message})"
     lines = [
         f"run {body['run_id']}: step {body['step']}/{body['total_steps']}, policy v{body['policy_version']}, "
-        f"{state}{message}, ETA {eta}",
+        f"{state}, ETA {eta}",
         f"replicas {body['live_replicas']}, last checkpoint {body['last_checkpoint'] or '-'}",
         "hyper-parameters: " + ", ".join(f"{k}={v:g}" for k, v in sorted(body["hyperparams"].items())),
     ]

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = Path(args.workdir) / run_id
     overrides = run_overrides(args, prepared, run_dir, run_id)
-    result = run_job(args.config, overrides, service_dir=run_dir, say=say)
+    result = run_job(args.config, overrides, service_dir=run_dir, say=say, export=True)
     if result.code != 0:
         say(f"failed: {result.failure}")
         return result.code

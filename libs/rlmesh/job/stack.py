@@ -145,6 +145,32 @@ class Stack:
         control = self.control
         return f"{http_scheme()}://{control.grpc_address}" if control is not None else None
 
+    def stop(self, meanwhile: Callable[[], None] | None = None, *, learner_exiting: bool = False) -> None:
+        """Stops every process started here, side by side where the run allows: the control plane
+        with the learner (which ends its step and writes its final checkpoint, and may still need
+        the replicas, reward and reference for that step), then those together, Redis last (the
+        others release what they hold in it as they stop). Each group takes as long as its
+        slowest process, not the sum. ``meanwhile()`` runs while the last services stop.
+
+        ``learner_exiting``: the learner's run is over (it let go of the others) and its process
+        is exiting by itself: it is not signalled, the others stop at once, and it is waited for
+        once they did."""
+        assert self.launcher is not None, "stop needs the launcher start_stack was given"
+        services = [s.process for s in self.started]
+        learner = self.learner.process if self.learner is not None else None
+        if learner is not None and learner_exiting:
+            services.remove(learner)
+        elif learner is not None and learner.alive():
+            first = [p for p in services if p is learner or p is getattr(self.control, "process", None)]
+            self.launcher.stop_together(first)
+            services = [p for p in services if p not in first]
+        self.launcher.stop_together(services, meanwhile=meanwhile)
+        if learner is not None and learner_exiting:
+            learner.popen.wait()  # a signal now could cut its exit short; then what it left behind
+            self.launcher.stop_together([learner])
+        if self.redis is not None:
+            self.launcher.stop_together([self.redis.process])
+
     def restart(self, name: str) -> ManagedProcess:
         """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:
         Redis on its port with its data dir (its append-only file brings the run's queues back),
@@ -196,10 +222,10 @@ def start_stack(
     services: Sequence[str] = STACK_ORDER,
     say: Callable[[str], None] = print,
 ) -> Stack:
-    """Starts what the config needs on this machine, each service on free ports, in three waves
-    of services started side by side (reward and reference; the replicas and the learner; the
-    control plane), each wave healthy before the next starts; raises ``LaunchError`` naming the
-    one that failed.
+    """Starts what the config needs on this machine, each service on free ports and side by side
+    with the others, each as soon as those whose address it needs serve (reward and reference
+    first; the replicas and the learner once both do; the control plane once the learner does);
+    returns when every one is healthy, raises ``LaunchError`` naming the one that failed.
 
     Attaches instead of starting where the config points at something running: Redis when
     ``rlmesh.redis_url`` is given, reward / reference when ``rlmesh.<svc>.addresses`` lists them,
@@ -217,7 +243,8 @@ def start_stack(
     plan = gpu_plan_here(cfg)
     if plan is not None:
         say(plan.describe())
-    if "rlmesh.redis_url" in given_keys(config_path, overrides):
+    given = given_keys(config_path, overrides)
+    if "rlmesh.redis_url" in given:
         redis, redis_url = None, cfg.rlmesh.redis_url
         say(f"{'redis':<12} {redact_url(redis_url)} (given: not started here)")
     else:
@@ -234,80 +261,85 @@ def start_stack(
         config_path=config_path,
     )
 
-    def start_side_by_side(specs: Sequence[tuple[str, str, Sequence[str], str]]) -> list[ServiceInstance]:
-        """Starts ``(service, name, extra overrides, note)`` each, all at once (none needs another's
-        address), and reports them in order once every one is healthy; raises for the first to
-        fail."""
-        requests = []
-        for service, name, extra, _ in specs:
-            wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
-            stack.specs[name] = (service, list(extra), wait_s)
-            placed = plan.of(name) if plan is not None else None
-            if placed is not None:
-                stack.envs[name] = placed.env(visible_gpus())
-            requests.append(
-                ServiceRequest(
-                    service,
-                    name=name,
-                    config_path=config_path,
-                    overrides=[*stack.overrides, *free_port_overrides(service), *extra],
-                    env=stack.envs.get(name),
-                    timeout_s=wait_s,
-                )
-            )
-        instances = launcher.start_services(requests)
-        for (_, name, _, note), instance in zip(specs, instances, strict=True):
-            stack.started.append(instance)
-            say(f"{name:<12} {instance.grpc_address} (pid {instance.process.pid}{note})")
-        return instances
+    notes: dict[str, str] = {}  # name -> what its started line adds
 
-    # Three waves, each side by side: reward and reference; the replicas and the learner (they
-    # need the reward's address); the control plane (it needs the learner's).
+    def request(service: str, name: str, extra: Sequence[str], note: str) -> ServiceRequest:
+        wait_s = max(timeout_s, 600.0) if service in ("rollout", "learner") else timeout_s
+        stack.specs[name] = (service, list(extra), wait_s)
+        notes[name] = note
+        placed = plan.of(name) if plan is not None else None
+        if placed is not None:
+            stack.envs[name] = placed.env(visible_gpus())
+        return ServiceRequest(
+            service,
+            name=name,
+            config_path=config_path,
+            overrides=[*stack.overrides, *free_port_overrides(service), *extra],
+            env=stack.envs.get(name),
+            timeout_s=wait_s,
+        )
+
+    # Each service starts the moment those whose address it needs serve: reward and reference at
+    # once; the replicas and the learner when both are up; the control plane when the learner is
+    # (not waiting for the replicas, which take longest: they start an engine).
     first = []
     for service in ("reward", "reference"):
-        given = getattr(cfg.rlmesh, service).addresses
+        given_addresses = getattr(cfg.rlmesh, service).addresses
         if service == "reference" and cfg.rlmesh.reference.colocated:
             if service in services:
                 say(f"{service:<12} colocated in the learner (rlmesh.reference.colocated): not started")
-        elif given:
-            stack.attached[service] = list(given)
-            say(f"{service:<12} {', '.join(given)} (given: not started here)")
+        elif given_addresses:
+            stack.attached[service] = list(given_addresses)
+            say(f"{service:<12} {', '.join(given_addresses)} (given: not started here)")
         elif service in services:
-            first.append((service, service, (), ""))
-    for (service, *_), instance in zip(first, start_side_by_side(first), strict=True):
-        stack.overrides.append(f"rlmesh.{service}.addresses=['{instance.grpc_address}']")
-    second = []
-    if "rollout" in services:
-        replicas = cfg.rlmesh.rollout.replicas
-        if replicas == 0:
-            stack.attached["rollout"] = []
-            say(
-                f"{'rollout':<12} none started: the replicas registered in {redact_url(redis_url)} serve this run"
-            )
-        engine = cfg.actor_rollout_ref.rollout.name
-        for i in range(replicas):
-            second.append(
-                ("rollout", f"rollout-{i}", [f"rlmesh.sampler.replica_id=rollout-{i}"], f", {engine} engine")
-            )
-    if "learner" in services:
-        ranks = cfg.rlmesh.learner.ranks
-        second.append(("learner", "learner", (), f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}"))
-    started = dict(zip([name for _, name, _, _ in second], start_side_by_side(second), strict=True))
-    if "learner" in started and "control" in services and cfg.rlmesh.control.enabled:
-        # On its configured port when one was given (people and scripts dial it), else a free one.
-        given = given_keys(config_path, overrides)
-        port = [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
-        [control] = start_side_by_side(
-            [
-                (
-                    "control",
-                    "control",
-                    [f"rlmesh.learner.addresses=['{started['learner'].grpc_address}']", *port],
-                    "",
-                )
-            ]
+            first.append(service)
+    if "rollout" in services and cfg.rlmesh.rollout.replicas == 0:
+        stack.attached["rollout"] = []
+        say(
+            f"{'rollout':<12} none started: the replicas registered in {redact_url(redis_url)} serve this run"
         )
-        say(f"{'':<12} control plane: {http_scheme()}://{control.grpc_address}/docs")
+
+    def second() -> list[ServiceRequest]:
+        """The replicas and the learner: given the reward's and reference's addresses by now."""
+        wave = []
+        if "rollout" in services:
+            engine = cfg.actor_rollout_ref.rollout.name
+            for i in range(cfg.rlmesh.rollout.replicas):
+                extra = [f"rlmesh.sampler.replica_id=rollout-{i}"]
+                wave.append(request("rollout", f"rollout-{i}", extra, f", {engine} engine"))
+        if "learner" in services:
+            ranks = cfg.rlmesh.learner.ranks
+            wave.append(
+                request("learner", "learner", (), f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
+            )
+        return wave
+
+    def control(learner: ServiceInstance) -> list[ServiceRequest]:
+        if "control" not in services or not cfg.rlmesh.control.enabled:
+            return []
+        # On its configured port when one was given (people and scripts dial it), else a free one.
+        port = [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
+        return [
+            request("control", "control", [f"rlmesh.learner.addresses=['{learner.grpc_address}']", *port], "")
+        ]
+
+    waiting_for = set(first)
+
+    def then(instance: ServiceInstance) -> list[ServiceRequest]:
+        stack.started.append(instance)
+        say(f"{instance.name:<12} {instance.grpc_address} (pid {instance.process.pid}{notes[instance.name]})")
+        if instance.name == "control":
+            say(f"{'':<12} control plane: {http_scheme()}://{instance.grpc_address}/docs")
+        if instance.name in waiting_for:
+            stack.overrides.append(f"rlmesh.{instance.name}.addresses=['{instance.grpc_address}']")
+            waiting_for.discard(instance.name)
+            return second() if not waiting_for else []
+        return control(instance) if instance.name == "learner" else []
+
+    requests = [request(service, service, (), "") for service in first] if first else second()
+    started = launcher.start_services(requests, then=then)
+    # In the order they were started (as `rlmesh up` reports them), not the order they came up.
+    stack.started = sorted(stack.started, key=lambda s: [i.name for i in started].index(s.name))
     return stack
 
 
@@ -401,11 +433,14 @@ def run_stack(
             f"[rlmesh up] {len(started)} services and redis healthy after {time.monotonic() - t0:.1f} s",
             flush=True,
         )
-        if hold:
-            print("[rlmesh up] holding; Ctrl-C stops everything", flush=True)
-            while True:
-                signal.pause()
-        print("[rlmesh up] stopping everything", flush=True)
+        try:
+            if hold:
+                print("[rlmesh up] holding; Ctrl-C stops everything", flush=True)
+                while True:
+                    signal.pause()
+        finally:
+            print("[rlmesh up] stopping everything", flush=True)
+            stack.stop()
     print("[rlmesh up] all processes stopped", flush=True)
     return 0
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -36,6 +37,9 @@ class JobResult:
     rows: list[dict[str, float]] = field(default_factory=list)
     engines: list[dict[str, Any]] = field(default_factory=list)
     failure: str = ""
+    outputs_written: bool = False  # the plot, and the export when asked for (write_outputs)
+    exported: Path | None = None
+    export_failure: str = ""
 
 
 def say_with(prefix: str) -> Say:
@@ -46,21 +50,29 @@ def say_with(prefix: str) -> Say:
 
 
 def progress_line(
-    step: int, total: int, m: dict[str, float], elapsed_s: float, done: int | None = None
+    step: int,
+    total: int,
+    m: dict[str, float],
+    elapsed_s: float,
+    done: int | None = None,
+    paused_s: float = 0.0,
 ) -> str:
     """One step: reward, KL, validation score, throughput, step time, elapsed and remaining time
-    (``done``: the steps ``elapsed_s`` covers, fewer than ``step`` in a resumed run)."""
+    (``done``: the steps ``elapsed_s`` covers, fewer than ``step`` in a resumed run; ``paused_s``:
+    how much of ``elapsed_s`` the learner was paused, which the remaining time leaves out)."""
     val = f"{m['val/score']:.2f}" if "val/score" in m else "  - "
     # The KL that acts on the policy: the in-reward penalty, else the loss term (use_kl_loss);
     # the learner reports the one that is off as 0.
     kl = m.get("actor/reward_kl_penalty") or m.get("actor/kl_loss", 0.0)
     done = step if done is None else done
-    eta = f", eta {elapsed_s / done * (total - step):.0f} s" if done > 0 and step < total else ""
+    working_s = max(elapsed_s - paused_s, 0.0)
+    eta = f", eta {working_s / done * (total - step):.0f} s" if done > 0 and step < total else ""
+    paused = f", {paused_s:.0f} s paused" if paused_s >= 1 else ""
     return (
         f"step {step:>3}/{total}  reward {m.get('critic/score/mean', 0):.3f}  "
         f"kl {kl:+.4f}  val {val}  "
         f"tok/s {m.get('training/tokens', 0) / max(m.get('timing_s/step', 0), 1e-9):>6.0f}  {m.get('timing_s/step', 0):.1f} s/step  "
-        f"[{elapsed_s:.0f} s{eta}]{step_line_part(m)}"
+        f"[{elapsed_s:.0f} s{paused}{eta}]{step_line_part(m)}"
     )
 
 
@@ -169,6 +181,142 @@ class Supervisor:
             self.restarting.discard(name)
 
 
+def learner_state(phase: str, message: str) -> str:
+    """The learner's phase and what it says about it, the phase said once ("paused since
+    start (...)", not "paused - paused since start (...)")."""
+    if not message:
+        return phase
+    return message if message.startswith(phase) else f"{phase} - {message}"
+
+
+class PausedTime:
+    """How long the learner has been paused, from its status polled now and then: a pause counts
+    from the first poll that saw it to the first that did not."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.before = 0.0  # pauses that ended
+        self.since: float | None = None  # when the pause under way was first seen
+
+    def seen(self, paused: bool) -> None:
+        now = self.clock()
+        if paused and self.since is None:
+            self.since = now
+        elif not paused and self.since is not None:
+            self.before += now - self.since
+            self.since = None
+
+    @property
+    def seconds(self) -> float:
+        return self.before + (self.clock() - self.since if self.since is not None else 0.0)
+
+
+# The learner's phases once its run is over and it has let go of the replicas, the reward and
+# Redis (rlmesh.learner.loop sets them last): what is left is its process's own exit.
+RUN_OVER = ("LEARNER_PHASE_FINISHED", "LEARNER_PHASE_STOPPING")
+
+
+def follow_learner(
+    stack: Any,
+    cfg: Any,
+    follower: MetricsFollower,
+    say: Say,
+    on_last_step: Callable[[], None] | None = None,
+) -> str:
+    """Follows the learner until its run is over (its status says so, or its process exited): a
+    line per step (from its metrics rows), what it is doing before its first step (from its
+    status), and a restart for any other service that dies (``Supervisor``); ``on_last_step()``
+    once the row of the run's last step is written (its checkpoint is on disk by then). Returns
+    why the job must fail because a service could not be kept up, else ""."""
+    import grpc
+
+    from rlmesh.runtime.auth import bearer_metadata
+    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+
+    learner = stack.learner
+    metadata = bearer_metadata(cfg.rlmesh.auth_token)
+    total, announced = cfg.trainer.total_training_steps or 0, ""
+    known_total = 0  # the run's steps as the learner counts them (0: not heard from it yet)
+    first: int | None = None  # the step this run started after (> 0 when it resumed)
+    last_row = False  # the row of the run's last step is written
+    started = time.monotonic()
+    paused = PausedTime()
+
+    def show_steps() -> None:
+        # One line per step of this run, from the learner's metrics rows: a poll can miss a
+        # step, the rows cannot (step 0 is validation before training: no line).
+        nonlocal first, last_row
+        for row in follower.new_rows():
+            if "timing_s/step" not in row:
+                continue
+            step = int(row["step"])
+            if first is None:
+                first = step - 1
+                if first:
+                    say(f"resumed from the checkpoint of step {first}")
+            elapsed = time.monotonic() - started
+            say(progress_line(step, max(total, step), row, elapsed, step - first, paused.seconds))
+            if known_total and step >= known_total:
+                last_row = True
+                if on_last_step is not None:
+                    on_last_step()
+
+    supervisor = Supervisor(
+        stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
+    )
+    with sync_channel(learner.grpc_address) as channel:
+        stub = learner_pb2_grpc.LearnerStub(channel)
+        while learner.process.alive():
+            failure = supervisor.check()
+            if failure:
+                return failure
+            try:
+                st, refused = stub.GetStatus(common_pb2.Empty(), timeout=5, metadata=metadata), False
+            except grpc.RpcError as e:
+                st, refused = None, e.code() == grpc.StatusCode.UNAVAILABLE
+            if st is not None:
+                total = known_total = st.total_steps
+                paused.seen(st.phase == learner_pb2.LEARNER_PHASE_PAUSED)
+            show_steps()
+            # Over: it says so, or, its last step written, its server went away, which it only
+            # does once its run let go of everything (LearnerRun: on_end). Its exit takes seconds.
+            if (st is not None and learner_pb2.LearnerPhase.Name(st.phase) in RUN_OVER) or (
+                refused and last_row
+            ):
+                break
+            if st is not None and first is None:  # before this run's first step: what it is doing
+                phase = learner_pb2.LearnerPhase.Name(st.phase).removeprefix("LEARNER_PHASE_").lower()
+                line = f"learner: {learner_state(phase, st.message)}"
+                if line != announced:
+                    say(line)
+                    announced = line
+            # A status a second; the rows more often (the last one starts the export), and back
+            # at once when the learner exits.
+            for _ in range(5 if st is not None else 2):
+                try:
+                    learner.process.popen.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    show_steps()
+                else:
+                    break
+    show_steps()  # the learner may finish between two polls
+    return ""
+
+
+def checkpoint_line(checkpoint_dir: Path) -> str:
+    """Which checkpoint running the same command again resumes from (trainer.resume_mode=auto)."""
+    from rlmesh.learner.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(str(checkpoint_dir))
+    if path is None:
+        return f"no checkpoint in {checkpoint_dir}: running the same command again starts over"
+    try:
+        step = json.loads((Path(path) / "trainer_state.json").read_text())["extra_state"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        step = Path(path).name  # a checkpoint of an older layout: named by its directory
+    return f"last checkpoint: step {step} ({path}); running the same command again resumes from it"
+
+
 def run_job(
     config_path: str | None,
     overrides: Sequence[str],
@@ -177,22 +325,22 @@ def run_job(
     say: Say | None = None,
     after_start: Callable[[Any], None] | None = None,
     before_stop: Callable[[Any], None] | None = None,
+    export: bool | None = None,
 ) -> JobResult:
     """Starts the stack, follows the learner until it exits, stops everything.
 
     ``after_start(stack)`` runs once every service is up, ``before_stop(stack)`` while they still
     are (benchmarks read their counters from one to the other). A service that exits while the
     learner runs is restarted (``Supervisor``); one over its restart budget, or that does not come
-    back, fails the job, named in ``failure``.
+    back, fails the job, named in ``failure``. With ``export`` True or False the plot is drawn,
+    and with True the actor exported, while the services stop (``summarize`` reports them);
+    None leaves both to ``summarize``. On Ctrl-C it says which checkpoint the same command
+    resumes from, once everything stopped, and raises ``KeyboardInterrupt`` on.
     """
-    import grpc
-
     from rlmesh.config import load_config
     from rlmesh.job.stack import start_stack
-    from rlmesh.runtime.auth import bearer_metadata
-    from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+    from rlmesh.runtime.launcher import LaunchError, ManagedProcess, ProcessLauncher
     from rlmesh.runtime.run_file import RunFiles, this_process
-    from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
     t0 = time.monotonic()
     say = say or say_with("train")
@@ -207,80 +355,83 @@ def run_job(
         code=1, run_id=run_id, checkpoint_dir=checkpoint_dir, service_dir=service_dir, wall_s=0
     )
     token = cfg.rlmesh.auth_token
-    metadata = bearer_metadata(token)
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
     follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
     grace_s = max(cfg.rlmesh.runtime.shutdown_grace_s, 30)
-    # The run file goes first when the job ends: `rlmesh ctl` says no run while the services stop.
+    stack = None
     with ProcessLauncher(service_dir, stop_grace_s=grace_s) as launcher, RunFiles() as run_files:
         try:
-            stack = start_stack(launcher, config_path, overrides, say=say)
-        except LaunchError as e:
-            say(f"start-up failed: {e}")  # with the last lines of the failed service's log
-            # One line for stderr, as for a failure while the learner runs: who failed, its log.
-            where = f"; its log: {e.log_path}" if e.log_path else ""
-            result.failure = f"start-up failed: {e.headline}{where}"
-            return result
-        if stack.control_url is not None:
-            tls = tls_of(cfg.rlmesh.security.tls)
-            info = this_process(
-                run_id, stack.control_url, checkpoint_dir, config=config_path, auth=bool(token), tls=tls
-            )
-            written = run_files.write(info)
-            where = f"(run file {written[0]})" if written else f"with --url {stack.control_url}"
-            say(f"{'':<12} rlmesh ctl status reaches it {where}")
-        learner = stack.learner
-        assert learner is not None
-        if after_start is not None:
-            after_start(stack)
-        total, announced = cfg.trainer.total_training_steps or 0, ""
-        first: int | None = None  # the step this run started after (> 0 when it resumed)
-        started = time.monotonic()
+            try:
+                stack = start_stack(launcher, config_path, overrides, say=say)
+            except LaunchError as e:
+                say(f"start-up failed: {e}")  # with the last lines of the failed service's log
+                # One line for stderr, as for a failure while the learner runs: who failed, its log.
+                where = f"; its log: {e.log_path}" if e.log_path else ""
+                result.failure = f"start-up failed: {e.headline}{where}"
+                return result
+            if stack.control_url is not None:
+                tls = tls_of(cfg.rlmesh.security.tls)
+                info = this_process(
+                    run_id, stack.control_url, checkpoint_dir, config=config_path, auth=bool(token), tls=tls
+                )
+                written = run_files.write(info)
+                where = f"(run file {written[0]})" if written else f"with --url {stack.control_url}"
+                say(f"{'':<12} rlmesh ctl status reaches it {where}")
+            learner = stack.learner
+            assert learner is not None
+            if after_start is not None:
+                after_start(stack)
+            exporting: list[ManagedProcess] = []
 
-        def show_steps() -> None:
-            # One line per step of this run, from the learner's metrics rows: a poll can miss a
-            # step, the rows cannot (step 0 is validation before training: no line).
-            nonlocal first
-            for row in follower.new_rows():
-                if "timing_s/step" not in row:
-                    continue
-                step = int(row["step"])
-                if first is None:
-                    first = step - 1
-                    if first:
-                        say(f"resumed from the checkpoint of step {first}")
-                elapsed = time.monotonic() - started
-                say(progress_line(step, max(total, step), row, elapsed, done=step - first))
+            def start_export() -> None:
+                # In a process of its own, from the run's last checkpoint, as soon as it is on disk:
+                # it overlaps the learner's exit and the others' stop, and this process never
+                # imports torch (seconds to import, seconds more to exit).
+                if export and cfg.trainer.save_freq > 0 and not exporting:
+                    exporting.append(launcher.spawn("export", export_argv(checkpoint_dir)))
 
-        supervisor = Supervisor(
-            stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
-        )
-        with sync_channel(learner.grpc_address) as channel:
-            stub = learner_pb2_grpc.LearnerStub(channel)
-            while learner.process.alive():
-                result.failure = supervisor.check()
-                if result.failure:
-                    break
-                try:
-                    st = stub.GetStatus(common_pb2.Empty(), timeout=5, metadata=metadata)
-                except grpc.RpcError:
-                    time.sleep(0.5)
-                    continue
-                total = st.total_steps
-                show_steps()
-                if first is None:  # before this run's first step: what the learner is doing
-                    phase = learner_pb2.LearnerPhase.Name(st.phase).removeprefix("LEARNER_PHASE_").lower()
-                    line = f"learner: {phase}{' - ' + st.message if st.message else ''}"
-                    if line != announced:
-                        say(line)
-                        announced = line
-                time.sleep(1.0)
+            result.failure = follow_learner(stack, cfg, follower, say, on_last_step=start_export)
+        except KeyboardInterrupt:
+            # Ctrl-C, or SIGTERM (rlmesh.cli): the learner ends its step and writes a checkpoint,
+            # which the same command resumes from; everything else stops after it.
+            say("stopping: the learner ends its step and writes its last checkpoint")
+            run_files.remove()  # first: `rlmesh ctl` says no run while the services stop
+            resumable: list[str] = []
+            if stack is not None:
+                stack.stop(meanwhile=lambda: resumable.append(checkpoint_line(checkpoint_dir)))
+            say(resumable[0] if resumable else checkpoint_line(checkpoint_dir))
+            raise
+        run_files.remove()  # first: `rlmesh ctl` says no run while the services stop
         if result.failure:
             say(result.failure)
+            stack.stop()
             return result
-        code = learner.process.popen.wait()
-        show_steps()  # the learner may finish between two polls
+        # Its run is over (or its process exited): the others are needed no more.
+        if learner.process.popen.poll() in (None, 0):
+            for replica in stack.rollouts:
+                try:
+                    result.engines.append(engine_server_info(replica.grpc_address, token))
+                except Exception as e:  # the summary falls back to the learner's timings
+                    say(f"could not read the engine counters of {replica.name}: {e}")
+            if before_stop is not None:
+                before_stop(stack)
+
+        def outputs() -> None:
+            # While the others stop: the learner's exit, then the plot and the export.
+            if learner.process.popen.wait() != 0 or export is None:
+                return
+            result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
+            plot(result.rows, result.checkpoint_dir / PLOT_FILE)
+            if exporting:
+                finish_export(exporting[0], result)
+                launcher.stop_together(exporting)  # exited: what it left behind, if anything
+            else:  # no last step seen (nothing left to train), or none saved: an older one, if any
+                write_outputs(result, export, plot_too=False)
+            result.outputs_written = True
+
+        stack.stop(meanwhile=outputs, learner_exiting=True)
         result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
+        code = learner.process.popen.wait()
         if code != 0:
             result.failure = f"the learner failed (exit code {code}); its log: {learner.process.log_path}"
             why = learner_failure(learner.process.log_path)
@@ -289,16 +440,54 @@ def run_job(
             say(result.failure)
             result.code = code
             return result
-        for replica in stack.rollouts:
-            try:
-                result.engines.append(engine_server_info(replica.grpc_address, token))
-            except Exception as e:  # the summary falls back to the learner's timings
-                say(f"could not read the engine counters of {replica.name}: {e}")
-        if before_stop is not None:
-            before_stop(stack)
     result.code = 0
     result.wall_s = time.monotonic() - t0
     return result
+
+
+PLOT_FILE = "training.png"
+
+
+ACTOR_DIR = "actor-hf"
+
+
+def export_argv(checkpoint_dir: Path) -> list[str]:
+    """``rlmesh export`` of the newest complete checkpoint under ``checkpoint_dir`` to its
+    ``actor-hf``, the run's own config (the checkpoint's copy)."""
+    return [
+        sys.executable,
+        "-m",
+        "rlmesh.cli",
+        "export",
+        "--checkpoint",
+        str(checkpoint_dir),
+        "--out",
+        str(checkpoint_dir / ACTOR_DIR),
+    ]
+
+
+def finish_export(process: Any, result: JobResult) -> None:
+    """Waits for the export ``export_argv`` started; ``result`` records where it wrote, or why not."""
+    code = process.popen.wait()
+    if code == 0:
+        result.exported = result.checkpoint_dir / ACTOR_DIR
+    else:
+        result.export_failure = f"the export failed (exit code {code}); its log: {process.log_path}"
+
+
+def write_outputs(result: JobResult, export: bool, *, plot_too: bool = True) -> None:
+    """The plot of the run's metrics rows and, with ``export``, its last checkpoint's actor as an
+    HF directory (``<checkpoint dir>/actor-hf``), in this process; ``result`` records them."""
+    # Not `rlmesh.learner`'s package exports: those import the trainer and DeepSpeed (seconds).
+    from rlmesh.learner.checkpoint import latest_checkpoint
+    from rlmesh.learner.export import export_checkpoint
+
+    if plot_too:
+        plot(result.rows, result.checkpoint_dir / PLOT_FILE)
+    checkpoint = latest_checkpoint(str(result.checkpoint_dir))
+    if export and checkpoint is not None:
+        result.exported = export_checkpoint(checkpoint, result.checkpoint_dir / ACTOR_DIR)
+    result.outputs_written = True
 
 
 def summarize(
@@ -310,21 +499,17 @@ def summarize(
     started_at: float | None = None,
 ) -> int:
     """Prints the summary table and one JSON line for scripts, writes the plot, exports the actor
-    to ``<checkpoint dir>/actor-hf``; returns the exit code. With ``started_at`` (a
+    to ``<checkpoint dir>/actor-hf``; returns the exit code (1: the export failed). With ``started_at`` (a
     ``time.monotonic()``) the wall time runs from then to the end of the export; otherwise it is
-    the job's, start-up to the learner's exit."""
-    from rlmesh.learner import latest_checkpoint
-    from rlmesh.learner.export import export_checkpoint
-
+    the job's, start-up to the learner's exit. What ``run_job(export=...)`` wrote while the
+    services stopped is reported, not written again."""
+    if not result.outputs_written:
+        write_outputs(result, export)
     rows = result.rows
     steps = int(max((r["step"] for r in rows), default=0))
     vals = [r for r in rows if "val/score" in r]
-    plot_path = result.checkpoint_dir / "training.png"
-    plot(rows, plot_path)
-    exported = None
-    checkpoint = latest_checkpoint(str(result.checkpoint_dir))
-    if export and checkpoint is not None:
-        exported = export_checkpoint(checkpoint, result.checkpoint_dir / "actor-hf")
+    plot_path = result.checkpoint_dir / PLOT_FILE
+    exported = result.exported
     if started_at is not None:
         result.wall_s = time.monotonic() - started_at
     rates = stage_rates(rows, result.engines)
@@ -343,7 +528,7 @@ def summarize(
         print(f"  {key.replace('_', ' '):<28} {value:7.0f}")
     print(f"  metrics   {result.checkpoint_dir / 'metrics.jsonl'}")
     print(f"  plot      {plot_path}")
-    print(f"  actor     {exported or '(no checkpoint to export)'}")
+    print(f"  actor     {exported or result.export_failure or '(no checkpoint to export)'}")
     print(f"  logs      {result.service_dir / 'logs'}")
     print()
     summary.update(
@@ -356,7 +541,7 @@ def summarize(
         **(extra or {}),
     )
     print(json.dumps(summary), flush=True)
-    return 0
+    return 1 if result.export_failure else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,12 +561,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlmesh.config import ConfigError, load_config
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    parser.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="start without first checking the model, tokenizer, data and reward the config names, nor "
+        "whether the run is already finished (rlmesh config validate runs those checks alone)",
+    )
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"rlmesh train: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    if not args.skip_preflight:
+        # What the services would fail on once started, and a run with nothing left to train: found
+        # before anything starts or any directory is made.
+        from rlmesh.job.preflight import format_problems, run_preflight
+
+        say = say_with("train")
+        report = run_preflight(cfg, progress=lambda step: say(f"pre-flight: {step}"))
+        if report.problems:
+            print(
+                "rlmesh train: the pre-flight checks found what would fail the job; nothing was started:\n"
+                + format_problems(report),
+                file=sys.stderr,
+            )
+            return 2
+        for note in report.notes:
+            say(f"note: {note}")
+        if report.finished is not None:
+            print(f"rlmesh train: {report.finished.line()}", flush=True)
+            return 0
     if cfg.trainer.save_freq <= 0:
         print(
             f"rlmesh train: trainer.save_freq={cfg.trainer.save_freq} (verl's default): no checkpoint will be "
@@ -390,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    result = run_job(args.config, args.overrides)
+    result = run_job(args.config, args.overrides, export=not args.no_export)
     if result.code != 0:
         print(f"rlmesh train: {result.failure or 'failed'}", file=sys.stderr)
         return result.code

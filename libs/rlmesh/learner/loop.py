@@ -24,6 +24,7 @@ from rlmesh.algo import get_kl_controller
 from rlmesh.config import RLMeshConfig
 from rlmesh.config.loader import dump_public_yaml
 from rlmesh.data import PromptCursor, RLHFDataset
+from rlmesh.data.cursor import total_training_steps
 from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.learner.batch import validate_trajectory
 from rlmesh.learner.checkpoint import latest_checkpoint
@@ -80,6 +81,15 @@ PHASES = (
 )
 
 
+# Who paused the run (``LoopState.paused_by``), as the learner's message names it.
+START_PAUSED = "start_paused"
+PAUSE_REQUEST = "pause_request"
+PAUSED_MESSAGES = {
+    START_PAUSED: "paused since start (rlmesh.learner.start_paused=true): `rlmesh ctl resume` starts training",
+    PAUSE_REQUEST: "paused from the control plane (rlmesh ctl pause): `rlmesh ctl resume` goes on",
+}
+
+
 @dataclass
 class LoopState:
     step: int = 0
@@ -87,6 +97,9 @@ class LoopState:
     version: int = 0
     phase: str = "STARTING"
     paused: bool = False
+    # START_PAUSED or PAUSE_REQUEST while paused, else "". The Pause and Resume RPCs set
+    # ``paused`` alone: any change of it made from outside is a request (see __setattr__).
+    paused_by: str = ""
     stop_requested: bool = False
     stop_checkpoint: bool = True
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -99,12 +112,15 @@ class LoopState:
     hparams_step: int = 0
     checkpoint_requests: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "paused" and value != self.__dict__.get("paused"):
+            super().__setattr__("paused_by", PAUSE_REQUEST if value else "")
+        super().__setattr__(name, value)
 
-def total_training_steps(cfg: RLMeshConfig, dataset_len: int) -> int:
-    """verl: trainer.total_training_steps, else total_epochs x batches per epoch."""
-    if cfg.trainer.total_training_steps:
-        return int(cfg.trainer.total_training_steps)
-    return cfg.trainer.total_epochs * max(1, dataset_len // cfg.data.train_batch_size)
+    @property
+    def paused_message(self) -> str:
+        """What the learner says while it holds paused: who paused it and how it goes on."""
+        return PAUSED_MESSAGES.get(self.paused_by, "paused")
 
 
 class _StoppedWhileWaiting(Exception):
@@ -147,7 +163,8 @@ class TrainingLoop:
         follower: bool = False,
     ) -> None:
         self.cfg = cfg
-        self.state = LoopState(paused=cfg.rlmesh.learner.start_paused)
+        start_paused = cfg.rlmesh.learner.start_paused
+        self.state = LoopState(paused=start_paused, paused_by=START_PAUSED if start_paused else "")
         # Signed with a key from the token: what it reads from Redis is checked (docs/security.md).
         self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.auth_token)
         if registry is not None:
@@ -521,7 +538,6 @@ class TrainingLoop:
         finally:
             # Every exit, failures included: the other ranks wait for rank 0's next command.
             self.followers.finish(failure)
-            self.state.phase = "FINISHED" if not self.state.stop_requested else "STOPPING"
             self.sinks.close()
             # Each is None when _connect failed before making it.
             if self.reward is not None:
@@ -534,21 +550,33 @@ class TrainingLoop:
                     await self.lease.release()
             if self._redis is not None:
                 await self._redis.aclose()
+            # Last, once nothing here uses the replicas, the reward or Redis any more: `rlmesh
+            # train` stops them when it reads this, while this process exits (a failure turns it
+            # into FAILED before any status can be read: LearnerRun._run, no await in between).
+            self.state.phase = "FINISHED" if not self.state.stop_requested else "STOPPING"
 
     async def _wait_for_replicas(self) -> None:
+        st = self.state
         while not await self._live_engines():
-            self.state.message = "no rollout replica registered yet"
-            if self.state.stop_requested:
+            # Paused, it says so (and who paused it): the replicas are not what holds it then.
+            st.phase = "PAUSED" if st.paused else "PUSHING_WEIGHTS"
+            st.message = st.paused_message if st.paused else "no rollout replica registered yet"
+            if st.stop_requested:
                 return
             await asyncio.sleep(0.5)
+        st.phase, st.message = "PUSHING_WEIGHTS", ""
 
     async def _hold_while_paused(self) -> None:
-        while self.state.paused and not self.state.stop_requested:
-            self.state.phase = "PAUSED"
-            if self.state.checkpoint_requests and self.state.step > 0:
-                await self._checkpoint(self.state.step)
-                self.state.phase = "PAUSED"
+        st = self.state
+        if not st.paused:
+            return
+        while st.paused and not st.stop_requested:
+            st.phase, st.message = "PAUSED", st.paused_message
+            if st.checkpoint_requests and st.step > 0:
+                await self._checkpoint(st.step)
+                st.phase = "PAUSED"
             await asyncio.sleep(0.2)
+        st.message = ""
 
     def hparams_in_force(self) -> dict[str, float]:
         """The live hyper-parameters as the last step used them (sampling: as prompts are queued

@@ -236,9 +236,12 @@ class RolloutReplica:
         redis = connect(cfg.rlmesh.redis_url)
         launcher = ProcessLauncher(stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s)
         gpu_claim = await claim_replica_gpus(cfg, redis, keys)
+        # While the engine starts: the tokenizer takes seconds too (transformers imports torch).
+        tokenizer_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, cfg.tokenizer_path()))
         try:
             engine = await start_replica_engine(cfg, launcher, replica_id, gpu_claim and gpu_claim.gpus)
         except BaseException:
+            tokenizer_load.cancel()
             if gpu_claim is not None:
                 await gpu_claim.release()
             raise
@@ -251,7 +254,7 @@ class RolloutReplica:
             "max_deliveries": cfg.rlmesh.queue.max_deliveries,
             "claim_idle_ms": cfg.rlmesh.queue.claim_idle_ms,
         }
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_path())
+        tokenizer = await tokenizer_load
         sampler = SamplerLoop(
             prompts=prompt_queue(
                 redis, keys, replica_id, maxlen=cfg.rlmesh.queue.prompt_stream_maxlen, **queue_kw

@@ -120,6 +120,23 @@ class ServiceRequest:
     also_alive: Sequence[ManagedProcess] = ()
 
 
+# Called as each service of ``start_services`` is healthy: the services to start now (those that
+# needed its address), waited on with the rest.
+ThenStart = Callable[["ServiceInstance"], Sequence[ServiceRequest]]
+
+
+@dataclass
+class _Wait:
+    """One child ``wait_all_ready`` waits on; its timeout runs from ``since`` (when it was spawned)."""
+
+    proc: ManagedProcess
+    ready: Callable[[], bool]
+    timeout_s: float
+    also_alive: Sequence[ManagedProcess] = ()
+    since: float = field(default_factory=time.monotonic)
+    request: ServiceRequest | None = None
+
+
 def _service_ready(proc: ManagedProcess, ready_file: Path) -> bool:
     """Its ready file is written and it answers health: gRPC SERVING, or for an HTTP service (the
     control plane) ``/health`` 200."""
@@ -136,6 +153,18 @@ def dial_address(ready: dict) -> str:
     wildcard, the one it advertises (a service in another network namespace has no loopback here)."""
     bound = str(ready["grpc_address"])
     return str(ready.get("advertise_address") or bound) if is_wildcard(host_of(bound)) else bound
+
+
+def _instance_of(wait: _Wait) -> ServiceInstance:
+    assert wait.request is not None
+    proc = wait.proc
+    metrics_port = proc.info.get("metrics_port")
+    return ServiceInstance(
+        process=proc,
+        name=wait.request.name or wait.request.service,
+        grpc_address=dial_address(proc.info),
+        metrics_port=int(metrics_port) if metrics_port is not None else None,
+    )
 
 
 def local_rendezvous(world_size: int) -> dict[str, str]:
@@ -348,11 +377,20 @@ class ProcessLauncher:
         also_alive)``: returns when every one is ready, raises for the first that fails. (One
         polling loop in the calling thread: a child's parent-death signal is tied to the thread
         that spawned it, so children are spawned and waited on here, never in worker threads.)"""
-        start = time.monotonic()
+        self._wait_ready(
+            [_Wait(proc, ready, timeout_s, also_alive) for proc, ready, timeout_s, also_alive in waits]
+        )
+
+    def _wait_ready(
+        self, waits: Sequence[_Wait], on_ready: Callable[[_Wait], Sequence[_Wait]] | None = None
+    ) -> None:
+        """Polls every wait until it is ready; ``on_ready(wait)`` returns the waits of children it
+        spawned once ``wait`` was (they join the loop, each timed from its own spawn)."""
         pending = list(waits)
         while pending:
-            for proc, ready, timeout_s, also_alive in list(pending):
-                for p in (proc, *also_alive):
+            for wait in list(pending):
+                proc = wait.proc
+                for p in (proc, *wait.also_alive):
                     if not p.alive():
                         headline = (
                             f"{p.name} (pid {p.pid}) exited with code {p.popen.returncode} during start-up"
@@ -362,10 +400,12 @@ class ProcessLauncher:
                             headline=headline,
                             log_path=p.log_path,
                         )
-                if ready():
-                    pending.remove((proc, ready, timeout_s, also_alive))
-                elif time.monotonic() - start > timeout_s:
-                    headline = f"{proc.name} (pid {proc.pid}) was not healthy within {timeout_s:.0f} s"
+                if wait.ready():
+                    pending.remove(wait)
+                    if on_ready is not None:
+                        pending += on_ready(wait)
+                elif time.monotonic() - wait.since > wait.timeout_s:
+                    headline = f"{proc.name} (pid {proc.pid}) was not healthy within {wait.timeout_s:.0f} s"
                     raise LaunchError(
                         f"{headline}; last lines of {proc.log_path}:\n{proc.log_tail()}",
                         headline=headline,
@@ -487,37 +527,49 @@ class ProcessLauncher:
         )
         return instance
 
-    def start_services(self, requests: Sequence[ServiceRequest]) -> list[ServiceInstance]:
+    def start_services(
+        self, requests: Sequence[ServiceRequest], then: ThenStart | None = None
+    ) -> list[ServiceInstance]:
         """:meth:`start_service` for several services side by side: all are spawned, then waited
         on together; raises for the first that fails (the others keep running until this
-        launcher stops them)."""
-        waits = []
-        for r in requests:
-            name = r.name or r.service
-            ready_file = self.workdir / f"{name}.ready.json"
-            ready_file.unlink(missing_ok=True)
-            argv = list(r.argv_prefix or [sys.executable, "-m", "rlmesh.cli", "serve", r.service])
-            argv += ["--ready-file", str(ready_file)]
-            if r.config_path:
-                argv += ["--config", str(r.config_path)]
-            argv += list(r.overrides)
-            proc = self.spawn(name, argv, r.env)
-            waits.append(
-                (proc, functools.partial(_service_ready, proc, ready_file), r.timeout_s, r.also_alive)
-            )
-        self.wait_all_ready(waits)
-        instances = []
-        for (proc, *_), r in zip(waits, requests, strict=True):
-            metrics_port = proc.info.get("metrics_port")
-            instances.append(
-                ServiceInstance(
-                    process=proc,
-                    name=r.name or r.service,
-                    grpc_address=dial_address(proc.info),
-                    metrics_port=int(metrics_port) if metrics_port is not None else None,
-                )
-            )
-        return instances
+        launcher stops them).
+
+        ``then(instance)`` is called (in this thread) as each one is healthy; the services it
+        returns are spawned at once and waited on with the rest: a service that needs another's
+        address starts the moment that one serves, not when a whole group does. Returns every
+        instance, in the order the services were spawned."""
+        spawned: list[_Wait] = []
+        instances: dict[int, ServiceInstance] = {}
+
+        def spawn_all(batch: Sequence[ServiceRequest]) -> list[_Wait]:
+            waits = [self._spawn_service(r) for r in batch]
+            spawned.extend(waits)
+            return waits
+
+        def on_ready(wait: _Wait) -> list[_Wait]:
+            instance = instances[id(wait)] = _instance_of(wait)
+            return spawn_all(then(instance)) if then is not None else []
+
+        self._wait_ready(spawn_all(requests), on_ready)
+        return [instances[id(wait)] for wait in spawned]
+
+    def _spawn_service(self, r: ServiceRequest) -> _Wait:
+        name = r.name or r.service
+        ready_file = self.workdir / f"{name}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        argv = list(r.argv_prefix or [sys.executable, "-m", "rlmesh.cli", "serve", r.service])
+        argv += ["--ready-file", str(ready_file)]
+        if r.config_path:
+            argv += ["--config", str(r.config_path)]
+        argv += list(r.overrides)
+        proc = self.spawn(name, argv, r.env)
+        return _Wait(
+            proc,
+            functools.partial(_service_ready, proc, ready_file),
+            r.timeout_s,
+            r.also_alive,
+            request=r,
+        )
 
     def start_learner(
         self,
@@ -618,6 +670,38 @@ class ProcessLauncher:
         _signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait()
         return proc.popen.returncode
+
+    def stop_together(
+        self,
+        procs: Sequence[ManagedProcess],
+        grace_s: float | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Stops ``procs`` side by side: SIGTERM to each at once, then one grace period for all of
+        them (SIGKILL for any still running at its end), so the stop takes as long as the slowest
+        one, not the sum, and no longer than it takes. ``meanwhile()`` runs while they stop (it
+        raising still stops them). They are this launcher's no more."""
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        for proc in procs:
+            if proc.alive():
+                _signal_group(proc.popen, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            for proc in procs:
+                try:
+                    proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "%s (pid %d) ignored SIGTERM for %.0f s: killing it", proc.name, proc.pid, grace
+                    )
+                _signal_group(proc.popen, signal.SIGKILL)  # what the leader left behind in its group
+                proc.popen.wait()
+                log.info("stopped %s (pid %d), exit code %s", proc.name, proc.pid, proc.popen.returncode)
+                with contextlib.suppress(ValueError):  # stop_all must not signal a reused pid later
+                    self.processes.remove(proc)
 
     def stop_all(self) -> None:
         self._log_watch_stop.set()

@@ -17,6 +17,7 @@ from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.runtime.run_file import RUN_FILE, RunFiles, this_process
 from rlmesh.runtime.tls import TlsFiles, export_tls
 from tests.support.control import TOKEN, start_control_stack
+from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.repo import CPU_DEMO, REPO
 from tests.support.tls import make_tls_files
@@ -107,6 +108,20 @@ def test_a_change_is_said_and_audited(job, capsys, monkeypatch):
     assert capsys.readouterr().out.endswith("on:\n  entropy_coeff = 0.002\n")
     assert ctl_main(["audit", "--limit", "1"]) == 0
     assert "set_hyperparam entropy_coeff: 0.0 -> 0.002" in capsys.readouterr().out
+
+
+def test_a_paused_learner_says_who_paused_it_once(job, capsys, monkeypatch):
+    monkeypatch.setenv("RLMESH_AUTH_TOKEN", TOKEN)
+
+    def status() -> str:
+        assert ctl_main(["status"]) == 0
+        return capsys.readouterr().out.splitlines()[0]
+
+    assert ctl_main(["pause"]) == 0  # the learner waits for replicas (none come): it holds at once
+    wait_until(lambda: "paused from the control plane (rlmesh ctl pause)" in status(), 60, "the pause")
+    assert "paused (paused" not in status() and "replica" not in status()
+    assert ctl_main(["resume"]) == 0
+    wait_until(lambda: "(no rollout replica registered yet)" in status(), 60, "the wait for replicas")
 
 
 def test_a_refused_action_says_why(job, capsys, monkeypatch):

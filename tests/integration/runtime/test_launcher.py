@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from rlmesh.runtime.health import grpc_health, redis_ping
-from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+from rlmesh.runtime.launcher import LaunchError, ProcessLauncher, ServiceRequest
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, pid_alive, program
 from tests.support.repo import REPO
+
+FREE_REWARD_PORTS = ["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
 
 
 def test_private_redis_answers_and_is_gone_after_exit(tmp_path):
@@ -157,3 +159,70 @@ def test_a_service_given_cores_it_cannot_use_exits_2_naming_the_key(tmp_path):
                 timeout_s=60,
             )
         assert "rlmesh.reward.cpus='4096'" in failed.value.log_path.read_text()
+
+
+def test_a_service_starts_the_moment_the_one_whose_address_it_needs_serves(tmp_path):
+    started = []
+
+    def then(instance):
+        started.append(instance.name)
+        if instance.name != "first":
+            return []
+        # It needs the first one's address: it can only be asked for once that one serves.
+        assert grpc_health(instance.grpc_address) == "SERVING"
+        address = f"rlmesh.reward.addresses=['{instance.grpc_address}']"
+        return [ServiceRequest("reward", name="second", overrides=[*FREE_REWARD_PORTS, address])]
+
+    with ProcessLauncher(tmp_path) as launcher:
+        first, second = launcher.start_services(
+            [ServiceRequest("reward", name="first", overrides=FREE_REWARD_PORTS)], then=then
+        )
+        assert (first.name, second.name) == ("first", "second") and started == ["first", "second"]
+        assert grpc_health(second.grpc_address) == "SERVING"
+        cmdline = Path(f"/proc/{second.process.pid}/cmdline").read_bytes().decode()
+        assert f"rlmesh.reward.addresses=['{first.grpc_address}']" in cmdline
+
+
+def test_a_service_that_dies_after_its_dependents_started_fails_the_start_naming_it(tmp_path):
+    def then(instance):
+        return [ServiceRequest("crashy", name="dependent", argv_prefix=[sys.executable, "-c", "exit(4)"])]
+
+    failed = r"dependent \(pid \d+\) exited with code 4 during start-up"
+    with ProcessLauncher(tmp_path) as launcher, pytest.raises(LaunchError, match=failed):
+        launcher.start_services([ServiceRequest("reward", overrides=FREE_REWARD_PORTS)], then=then)
+
+
+# On SIGTERM: says so in a file, then exits once its peer got SIGTERM too (exit 1 if that never
+# comes): both exit 0 only when both were signalled before either was waited for.
+WAITS_FOR_PEER = """
+import pathlib, signal, sys, time
+me, peer = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+def on_term(signum, frame):
+    me.write_text("TERM")
+    deadline = time.monotonic() + 60
+    while not peer.exists():
+        if time.monotonic() > deadline:
+            sys.exit(1)
+        time.sleep(0.05)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_together_signals_every_process_before_waiting_for_any(tmp_path):
+    a, b = tmp_path / "a.term", tmp_path / "b.term"
+    seen_meanwhile = []
+    with ProcessLauncher(tmp_path, stop_grace_s=120) as launcher:
+        procs = [
+            launcher.spawn(name, [sys.executable, "-c", WAITS_FOR_PEER, str(me), str(peer)])
+            for name, me, peer in (("a", a, b), ("b", b, a))
+        ]
+        for proc in procs:
+            wait_until(lambda proc=proc: "ready" in proc.log_tail(), 30, f"{proc.name} to start")
+        launcher.stop_together(procs, meanwhile=lambda: seen_meanwhile.append(launcher.processes[:]))
+        assert [p.popen.returncode for p in procs] == [0, 0], [p.log_tail() for p in procs]
+        assert launcher.processes == []  # stopped: stop_all has nothing left to signal
+    assert seen_meanwhile == [procs]  # it ran once, while they were still this launcher's

@@ -274,6 +274,17 @@ def test_status_shows_the_metrics_that_matter_and_how_to_see_the_rest():
     )
 
 
+def test_a_paused_learner_is_said_paused_once_with_who_paused_it():
+    message = "paused since start (rlmesh.learner.start_paused=true): `rlmesh ctl resume` starts training"
+    text = answer("status", body={**STATUS, "message": message, "eta_s": None})
+    assert text.splitlines()[0] == f"run r1: step 3/10, policy v3, {message}, ETA -"
+    mid_step = {**STATUS, "phase": "training", "message": "step 4: 2/4 prompt groups collected"}
+    assert answer("status", body=mid_step).splitlines()[0] == (
+        "run r1: step 3/10, policy v3, training, pausing after this step "
+        "(step 4: 2/4 prompt groups collected), ETA 12 s"
+    )
+
+
 def test_metrics_without_keys_show_the_last_step_and_with_keys_a_table():
     rows = [{"step": s, "time": 0, "metrics": {f"m/{i}": s * 1.0 for i in range(10)}} for s in (1, 2, 3)]
     text = answer("metrics", body={"rows": rows})

@@ -1,4 +1,5 @@
-"""What ``start_stack`` starts for a config, with a launcher that records instead of starting."""
+"""What ``start_stack`` starts for a config, and in what order ``Stack.stop`` stops it, with
+launchers that record instead of starting and stopping."""
 
 from __future__ import annotations
 
@@ -6,26 +7,46 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlmesh.job.stack import start_stack
+from rlmesh.job.stack import Stack, start_stack
 from rlmesh.runtime.launcher import ServiceInstance
 
 REDIS = "rlmesh.redis_url=redis://127.0.0.1:1/0"  # given: no Redis is started
 
 
 class RecordingLauncher:
-    def __init__(self) -> None:
+    """Spawns nothing: each service "serves" when its turn in ``ready_order`` comes (by default in
+    the order they were asked for), and ``then`` is told, as the real launcher tells it."""
+
+    def __init__(self, ready_order: list[str] | None = None) -> None:
         self.started: list[tuple[str, str, list[str]]] = []
         self.envs: dict[str, dict[str, str] | None] = {}
-        self.waves: list[list[str]] = []  # names started side by side, wave by wave
+        self.waves: list[list[str]] = []  # names started together: at first, then each time one served
+        self.ready_order = ready_order
+        self.events: list[str] = []  # "start <name>" and "ready <name>", in order
 
-    def start_services(self, requests):
-        instances = []
-        for r in requests:
-            self.started.append((r.service, r.name, list(r.overrides)))
-            self.envs[r.name] = r.env
-            process = SimpleNamespace(pid=1000 + len(self.started))
-            instances.append(ServiceInstance(process, r.name, f"127.0.0.1:{6000 + len(self.started)}", None))
-        self.waves.append([r.name for r in requests])
+    def start_services(self, requests, then=None):
+        instances, pending = [], []
+
+        def start(batch):
+            if batch:
+                self.waves.append([r.name for r in batch])
+            for r in batch:
+                self.started.append((r.service, r.name, list(r.overrides)))
+                self.envs[r.name] = r.env
+                self.events.append(f"start {r.name}")
+                process = SimpleNamespace(pid=1000 + len(self.started))
+                instance = ServiceInstance(process, r.name, f"127.0.0.1:{6000 + len(self.started)}", None)
+                instances.append(instance)
+                pending.append(instance)
+
+        start(list(requests))
+        while pending:
+            order = self.ready_order or [i.name for i in pending]
+            instance = min(pending, key=lambda i: order.index(i.name))
+            pending.remove(instance)
+            self.events.append(f"ready {instance.name}")
+            if then is not None:
+                start(list(then(instance)))
         return instances
 
 
@@ -71,20 +92,52 @@ def test_the_control_plane_starts_last_pointed_at_the_learner():
     assert given[-1] == "rlmesh.control.port=8123"  # after the free-port override: it wins
 
 
-def test_services_start_in_three_waves_each_side_by_side():
-    launcher = RecordingLauncher()
-    start_stack(
+def test_each_service_starts_as_soon_as_those_whose_address_it_needs_serve():
+    # The reference comes up first, then the reward; the learner long before the replicas.
+    launcher = RecordingLauncher(
+        ready_order=["reference", "reward", "learner", "control", "rollout-0", "rollout-1"]
+    )
+    stack = start_stack(
         launcher,
         None,
         [REDIS, "algorithm.use_kl_in_reward=true", "rlmesh.rollout.replicas=2"],
         say=lambda line: None,
     )
-    # Replicas and learner need the reward's and reference's addresses; control needs the learner's.
+    # Replicas and learner need the reward's and reference's addresses: they start once both
+    # serve, side by side; the control plane needs the learner's only, not the replicas'.
     assert launcher.waves == [["reward", "reference"], ["rollout-0", "rollout-1", "learner"], ["control"]]
+    assert launcher.events[:5] == [
+        "start reward",
+        "start reference",
+        "ready reference",
+        "ready reward",
+        "start rollout-0",
+    ]
+    assert launcher.events.index("start control") < launcher.events.index("ready rollout-0")
     by_name = {name: overrides for _, name, overrides in launcher.started}
     for name in ("rollout-0", "rollout-1", "learner"):
         assert "rlmesh.reward.addresses=['127.0.0.1:6001']" in by_name[name]
         assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in by_name[name]
+    # Reported in the order they were started, whatever order they came up in.
+    assert [s.name for s in stack.started] == [
+        "reward",
+        "reference",
+        "rollout-0",
+        "rollout-1",
+        "learner",
+        "control",
+    ]
+
+
+def test_with_reward_and_reference_given_the_replicas_and_learner_start_at_once():
+    launcher = RecordingLauncher()
+    start_stack(
+        launcher,
+        None,
+        [REDIS, "rlmesh.reward.addresses=[h:1]", "rlmesh.reference.colocated=true"],
+        say=lambda line: None,
+    )
+    assert launcher.waves == [["rollout-0", "learner"], ["control"]]
 
 
 def test_on_a_gpu_machine_each_process_is_started_with_its_own_gpus(monkeypatch):
@@ -134,3 +187,58 @@ def test_a_plan_the_machine_cannot_hold_stops_the_start(monkeypatch):
             say=lambda line: None,
         )
     assert launcher.started == []
+
+
+class StoppingLauncher:
+    """Records the groups ``Stack.stop`` stops together; nothing is signalled."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[str]] = []
+        self.meanwhile: list[list[str]] = []  # the groups ``meanwhile`` ran alongside
+
+    def stop_together(self, procs, grace_s=None, meanwhile=None):
+        self.groups.append([p.name for p in procs])
+        if meanwhile is not None:
+            self.meanwhile.append(self.groups[-1])
+            meanwhile()
+        for p in procs:
+            p.running = False
+
+
+def fake_stack(*names: str) -> tuple[Stack, StoppingLauncher]:
+    launcher = StoppingLauncher()
+
+    def process(name):
+        proc = SimpleNamespace(name=name, running=True)
+        proc.alive = lambda: proc.running
+        proc.popen = SimpleNamespace(wait=lambda: 0)
+        return proc
+
+    redis = SimpleNamespace(process=process("redis"))
+    started = [ServiceInstance(process(n), n, "127.0.0.1:1", None) for n in names]
+    return Stack("redis://", redis, [], started=started, launcher=launcher), launcher
+
+
+SERVICES = ("reward", "rollout-0", "rollout-1", "learner", "control")
+
+
+def test_a_stop_lets_the_learner_end_its_step_with_the_others_up_then_stops_them_together():
+    stack, launcher = fake_stack(*SERVICES)
+    ran = []
+    stack.stop(meanwhile=lambda: ran.append("meanwhile"))
+    assert launcher.groups == [["learner", "control"], ["reward", "rollout-0", "rollout-1"], ["redis"]]
+    assert launcher.meanwhile == [["reward", "rollout-0", "rollout-1"]] and ran == ["meanwhile"]
+
+
+def test_a_learner_whose_run_is_over_is_not_signalled_and_the_others_stop_at_once():
+    stack, launcher = fake_stack(*SERVICES)
+    stack.stop(learner_exiting=True)
+    # The learner is only waited for (the launcher finds it exited and cleans up after it).
+    assert launcher.groups == [["reward", "rollout-0", "rollout-1", "control"], ["learner"], ["redis"]]
+
+
+def test_a_stack_attached_to_redis_stops_only_what_it_started():
+    stack, launcher = fake_stack("rollout-0", "learner")
+    stack.redis = None
+    stack.stop()
+    assert launcher.groups == [["learner"], ["rollout-0"]]

@@ -1,6 +1,9 @@
-"""How often ``rlmesh train`` restarts one crashed service."""
+"""What ``rlmesh train`` says and decides on its own: how often it restarts one crashed service,
+its step lines and the remaining time, what the learner is doing, where a stopped job resumes."""
 
-from rlmesh.job.train import RestartBudget
+import json
+
+from rlmesh.job.train import PausedTime, RestartBudget, checkpoint_line, learner_state, progress_line
 
 
 def test_each_service_gets_its_own_budget_per_hour():
@@ -16,3 +19,50 @@ def test_each_service_gets_its_own_budget_per_hour():
 
 def test_a_zero_budget_never_restarts():
     assert RestartBudget(0).take("redis") == 0
+
+
+def test_the_eta_leaves_out_the_time_the_learner_was_paused():
+    row = {"timing_s/step": 2.0, "training/tokens": 100}
+    # 4 steps of 10 done in 100 s, 60 of them paused: 10 s a step while it works.
+    line = progress_line(4, 10, row, elapsed_s=100, paused_s=60)
+    assert "[100 s, 60 s paused, eta 60 s]" in line
+    assert "[100 s, eta 150 s]" in progress_line(4, 10, row, elapsed_s=100)  # never paused
+
+
+def test_paused_time_counts_from_the_first_poll_that_saw_the_pause_to_the_first_that_did_not():
+    now = [0.0]
+    paused = PausedTime(clock=lambda: now[0])
+    for t, seen in [(1, False), (3, True), (5, True), (8, False), (9, False), (10, True)]:
+        now[0] = t
+        paused.seen(seen)
+    now[0] = 12
+    assert paused.seconds == (8 - 3) + (12 - 10)  # one pause over, one under way
+
+
+def test_the_learner_state_says_a_paused_phase_once():
+    message = "paused since start (rlmesh.learner.start_paused=true): `rlmesh ctl resume` starts training"
+    assert learner_state("paused", message) == message
+    assert learner_state("training", "step 3: 2/4 prompt groups collected") == (
+        "training - step 3: 2/4 prompt groups collected"
+    )
+    assert learner_state("starting", "") == "starting"
+
+
+def make_checkpoint(root, step, state=None):
+    path = root / f"global_step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps(state or {"extra_state": {"step": step}}))
+    (path / "COMPLETE").write_text("")
+    return path
+
+
+def test_after_ctrl_c_the_job_names_the_checkpoint_the_same_command_resumes_from(tmp_path):
+    assert checkpoint_line(tmp_path) == (
+        f"no checkpoint in {tmp_path}: running the same command again starts over"
+    )
+    make_checkpoint(tmp_path, 4)
+    newest = make_checkpoint(tmp_path, 6)
+    (tmp_path / "global_step_8.tmp-123").mkdir()  # a save cut short: not a checkpoint
+    assert checkpoint_line(tmp_path) == (
+        f"last checkpoint: step 6 ({newest}); running the same command again resumes from it"
+    )

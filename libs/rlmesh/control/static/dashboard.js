@@ -165,7 +165,10 @@ function drawLiveChart(id) {
 function showStatus() {
   const s = state.status;
   const eta = s.eta_s === null ? "" : ` · ETA ${Math.round(s.eta_s)} s`;
-  $("#run").textContent = `run ${s.run_id} · step ${s.step}/${s.total_steps} · ${s.phase}${s.paused ? " (paused)" : ""}`
+  // Paused, the learner's message says by whom and how it goes on; the phase is said once.
+  const phase = s.phase === "paused" ? s.message || "paused"
+    : `${s.phase}${s.paused ? " (pausing after this step)" : ""}`;
+  $("#run").textContent = `run ${s.run_id} · step ${s.step}/${s.total_steps} · ${phase}`
     + ` · policy v${s.policy_version} · ${s.live_replicas} replica(s)` + eta
     + (s.mean_step_s === null ? "" : ` · ${s.mean_step_s} s/step`);
 }
