@@ -4,6 +4,7 @@ docs/design.md#learner-ranks"""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -90,15 +91,31 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
     deepspeed.init_distributed(
         dist_backend=dist.get_backend() if dist.is_initialized() else backend, timeout=timeout
     )
+    _shutdown_at_exit()
     log.info("learner rank %d of %d in the process group (%s)", rank(), world_size(), dist.get_backend())
 
 
 def shutdown_distributed() -> None:
-    """Destroys every process group before the process exits. Left to the interpreter's exit,
-    gloo's worker threads can be torn down mid-flight and abort the process ("terminate called
-    without an active exception", exit -6) after an otherwise clean run."""
+    """Destroys every process group and joins their threads; idempotent. Runs at exit too (see
+    ``_shutdown_at_exit``); ``os._exit`` skips it, for a rank that must not wait on its peers."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_registered_at_exit = False
+
+
+def _shutdown_at_exit() -> None:
+    # Left alive into the interpreter's finalization, a gloo worker thread can still be dropping
+    # the last reference to a collective's tensors (likely when the rank exits right after that
+    # collective, e.g. because it failed); freeing them takes the GIL, which a finalizing
+    # interpreter refuses by ending the thread inside a C++ destructor: "terminate called without
+    # an active exception", exit -6 instead of the rank's own code. atexit handlers run before
+    # finalization, on every exit path but os._exit.
+    global _registered_at_exit
+    if not _registered_at_exit:
+        atexit.register(shutdown_distributed)
+        _registered_at_exit = True
 
 
 def rank() -> int:
