@@ -3,8 +3,11 @@ checkpoint cases that tests and the programs they start both run."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -253,3 +256,20 @@ async def feeder_and_collector(redis, keys, items, *, batch_size: int, n: int, k
         keep_group=keep_group,
     )
     return feeder, collector
+
+
+@contextlib.asynccontextmanager
+async def serve_rollout(servicer: Any) -> AsyncIterator[str]:
+    """A real gRPC server on loopback serving ``servicer`` as the Rollout service; yields its address."""
+    import grpc
+
+    from rlmesh.v1 import rollout_pb2_grpc
+
+    server = grpc.aio.server()
+    rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)

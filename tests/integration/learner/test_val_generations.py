@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import pytest
 
 from rlmesh.config import load_config
@@ -15,6 +14,7 @@ from rlmesh.learner.validation import run_validation, select_generations, val_sa
 from rlmesh.reward.failures import RewardErrorRule
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items
+from tests.support.learner import serve_rollout
 
 
 class EchoRollout(rollout_pb2_grpc.RolloutServicer):
@@ -32,12 +32,8 @@ class EchoRollout(rollout_pb2_grpc.RolloutServicer):
 
 @pytest.fixture
 async def replica():
-    server = grpc.aio.server()
-    rollout_pb2_grpc.add_RolloutServicer_to_server(EchoRollout(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.stop(None)
+    async with serve_rollout(EchoRollout()) as address:
+        yield address
 
 
 async def score(samples):

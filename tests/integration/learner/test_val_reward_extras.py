@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
 import pytest
 
 from rlmesh.learner.validation import run_validation
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items
+from tests.support.learner import serve_rollout
 
 
 class SampleIndexRollout(rollout_pb2_grpc.RolloutServicer):
@@ -28,12 +28,8 @@ class SampleIndexRollout(rollout_pb2_grpc.RolloutServicer):
 
 @pytest.fixture
 async def replica():
-    server = grpc.aio.server()
-    rollout_pb2_grpc.add_RolloutServicer_to_server(SampleIndexRollout(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.stop(None)
+    async with serve_rollout(SampleIndexRollout()) as address:
+        yield address
 
 
 async def score(samples):

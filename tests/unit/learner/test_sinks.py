@@ -35,7 +35,9 @@ def test_phase_timestamps_go_to_the_file_only_and_non_finite_values_nowhere(tmp_
 
 def test_two_metrics_with_one_prometheus_name_keep_the_first_gauge_and_log_both(tmp_path, caplog):
     registry = CollectorRegistry()
-    sinks = MetricsSinks([], jsonl_path=tmp_path / "metrics.jsonl", registry=registry, project="p", experiment="e")
+    sinks = MetricsSinks(
+        [], jsonl_path=tmp_path / "metrics.jsonl", registry=registry, project="p", experiment="e"
+    )
     # Data sources "a.b" and "a_b" give one gauge name; the second must not crash the step.
     sinks.log(1, {"val/score/a.b": 0.5, "val/score/a_b": 0.25})
     sinks.log(2, {"val/score/a.b": 0.75, "val/score/a_b": 0.125})

@@ -18,5 +18,5 @@ def test_extras_stop_at_the_cap_keeping_the_first_names_in_sorted_order():
 
 
 def test_a_dict_without_score_is_refused_naming_its_keys():
-    with pytest.raises(NotAScore, match="without a 'score' key .*acc"):
+    with pytest.raises(NotAScore, match=r"without a 'score' key .*acc"):
         read_score({"acc": 1.0}, "f")
