@@ -479,12 +479,13 @@ class _Checks:
             self.report.finished = FinishedRun(path, step, total, why, trainer.resume_mode)
 
     def checkpoint_step(self, path: str) -> int | None:
-        state_file = Path(path) / "trainer_state.json"
+        from rlmesh.learner.checkpoint import checkpoint_step
+
         try:
-            return int(json.loads(state_file.read_text())["extra_state"]["step"])
+            return checkpoint_step(path)
         except (OSError, ValueError, KeyError, TypeError) as e:
             self.problem(
-                f"{state_file}: the step of the checkpoint to resume does not read ({_reason(e)}); the learner "
+                f"{Path(path) / 'trainer_state.json'}: the step of the checkpoint to resume does not read ({_reason(e)}); the learner "
                 "cannot resume from it: move it away, or set trainer.resume_mode=disable"
             )
             return None

@@ -305,13 +305,13 @@ def follow_learner(
 
 def checkpoint_line(checkpoint_dir: Path) -> str:
     """Which checkpoint running the same command again resumes from (trainer.resume_mode=auto)."""
-    from rlmesh.learner.checkpoint import latest_checkpoint
+    from rlmesh.learner.checkpoint import checkpoint_step, latest_checkpoint
 
     path = latest_checkpoint(str(checkpoint_dir))
     if path is None:
         return f"no checkpoint in {checkpoint_dir}: running the same command again starts over"
     try:
-        step = json.loads((Path(path) / "trainer_state.json").read_text())["extra_state"]["step"]
+        step: int | str = checkpoint_step(path)
     except (OSError, ValueError, KeyError, TypeError):
         step = Path(path).name  # a checkpoint of an older layout: named by its directory
     return f"last checkpoint: step {step} ({path}); running the same command again resumes from it"

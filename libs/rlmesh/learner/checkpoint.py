@@ -67,6 +67,12 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     return str(max(done, key=_order_key)) if done else None
 
 
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step a checkpoint was saved at (``extra_state.step`` of its ``trainer_state.json``);
+    raises ``OSError``, ``ValueError``, ``KeyError`` or ``TypeError`` when that does not read."""
+    return int(json.loads((Path(path) / "trainer_state.json").read_text())["extra_state"]["step"])
+
+
 def prune_checkpoints(root: str | os.PathLike[str], keep: int | None) -> list[str]:
     """After a save (rank 0, no save running): deletes the complete checkpoints under ``root``
     beyond the newest ``keep`` (None: keeps all) and every leftover of a save that died half-way

@@ -662,13 +662,7 @@ class ProcessLauncher:
         grace = self.stop_grace_s if grace_s is None else grace_s
         if proc.alive():
             _signal_group(proc.popen, signal.SIGTERM)
-            try:
-                proc.popen.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) ignored SIGTERM for %.0f s: killing it", proc.name, proc.pid, grace)
-        # The leader may be gone while children it spawned are not: kill the whole group.
-        _signal_group(proc.popen, signal.SIGKILL)
-        proc.popen.wait()
+        _reap(proc, time.monotonic() + grace, grace)
         return proc.popen.returncode
 
     def stop_together(
@@ -691,14 +685,7 @@ class ProcessLauncher:
                 meanwhile()
         finally:
             for proc in procs:
-                try:
-                    proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning(
-                        "%s (pid %d) ignored SIGTERM for %.0f s: killing it", proc.name, proc.pid, grace
-                    )
-                _signal_group(proc.popen, signal.SIGKILL)  # what the leader left behind in its group
-                proc.popen.wait()
+                _reap(proc, deadline, grace)
                 log.info("stopped %s (pid %d), exit code %s", proc.name, proc.pid, proc.popen.returncode)
                 with contextlib.suppress(ValueError):  # stop_all must not signal a reused pid later
                     self.processes.remove(proc)
@@ -715,6 +702,17 @@ class ProcessLauncher:
         self.processes.clear()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _reap(proc: ManagedProcess, deadline: float, grace_s: float) -> None:
+    """Waits for a signalled child until ``deadline``, then SIGKILLs its process group: the leader
+    may be gone while children it spawned are not."""
+    try:
+        proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        log.warning("%s (pid %d) ignored SIGTERM for %.0f s: killing it", proc.name, proc.pid, grace_s)
+    _signal_group(proc.popen, signal.SIGKILL)
+    proc.popen.wait()
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
