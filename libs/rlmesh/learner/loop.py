@@ -97,9 +97,7 @@ class LoopState:
     version: int = 0
     phase: str = "STARTING"
     paused: bool = False
-    # START_PAUSED or PAUSE_REQUEST while paused, else "". The Pause and Resume RPCs set
-    # ``paused`` alone: any change of it made from outside is a request (see __setattr__).
-    paused_by: str = ""
+    paused_by: str = ""  # START_PAUSED or PAUSE_REQUEST while paused, else ""
     stop_requested: bool = False
     stop_checkpoint: bool = True
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -112,10 +110,13 @@ class LoopState:
     hparams_step: int = 0
     checkpoint_requests: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "paused" and value != self.__dict__.get("paused"):
-            super().__setattr__("paused_by", PAUSE_REQUEST if value else "")
-        super().__setattr__(name, value)
+    def pause(self, by: str = PAUSE_REQUEST) -> None:
+        """Holds at the next step boundary; a pause already under way keeps who made it."""
+        if not self.paused:
+            self.paused, self.paused_by = True, by
+
+    def resume(self) -> None:
+        self.paused, self.paused_by = False, ""
 
     @property
     def paused_message(self) -> str:

@@ -46,14 +46,14 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     async def Pause(
         self, request: common_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> learner_pb2.LearnerStatus:
-        self.loop.state.paused = True
+        self.loop.state.pause()
         log.info("pause requested: holding after the current step")
         return self.status()
 
     async def Resume(
         self, request: common_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> learner_pb2.LearnerStatus:
-        self.loop.state.paused = False
+        self.loop.state.resume()
         log.info("resumed")
         return self.status()
 
