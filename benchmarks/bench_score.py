@@ -26,7 +26,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from rlmesh.job.stack import start_stack
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.reference import ReferenceClient
-from rlmesh.reward import RewardClient, RewardScorer
+from rlmesh.reward.client import RewardClient
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import reference_pb2, reward_pb2
 

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from rlmesh.config import RLMeshConfig
-from rlmesh.reward import RewardFunctionLoadError, RewardScorer
+from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.reward.servicer import SERVICE_NAME, RewardServicer
 from rlmesh.runtime.entry import CannotStart, service_main
 from rlmesh.runtime.server import GrpcService

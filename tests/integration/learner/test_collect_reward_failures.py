@@ -12,8 +12,9 @@ from rlmesh.learner.batch import validate_trajectory
 from rlmesh.learner.collect import BatchCollector
 from rlmesh.learner.feeder import group_uid
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
-from rlmesh.reward import RewardScorer, load_reward_function
 from rlmesh.reward.failures import RewardErrorRule, RewardFailed
+from rlmesh.reward.loader import load_reward_function
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import reward_pb2, trajectory_pb2
 

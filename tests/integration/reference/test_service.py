@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.config import load_config
 from rlmesh.job.report import metric_sum
 from rlmesh.reference import ReferenceClient
-from rlmesh.reward import ServiceCallError
+from rlmesh.runtime.balancer import ServiceCallError
 from rlmesh.runtime.busy import union_seconds
 from rlmesh.runtime.health import scrape_metrics
 from rlmesh.runtime.launcher import LaunchError, ProcessLauncher

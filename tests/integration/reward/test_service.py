@@ -15,7 +15,9 @@ from rlmesh.config import load_config
 from rlmesh.job.report import metric_sum
 from rlmesh.models import build_tokenizer
 from rlmesh.queue import connect
-from rlmesh.reward import RewardClient, ServiceCallError, get_reward_addresses, set_reward_addresses
+from rlmesh.reward.addresses import get_reward_addresses, set_reward_addresses
+from rlmesh.reward.client import RewardClient
+from rlmesh.runtime.balancer import ServiceCallError
 from rlmesh.runtime.health import scrape_metrics
 from rlmesh.runtime.launcher import LaunchError
 from rlmesh.runtime.net import free_port

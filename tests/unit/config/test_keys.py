@@ -83,7 +83,7 @@ def test_the_reward_function_choices_are_the_built_ins() -> None:
     from typing import get_args
 
     from rlmesh.config.rlmesh_section import RewardServiceConfig
-    from rlmesh.reward import BUILTIN_FUNCTIONS
+    from rlmesh.reward.builtin import BUILTIN_FUNCTIONS
 
     choices = get_args(get_args(RewardServiceConfig.model_fields["function"].annotation)[0])
     assert set(choices) == set(BUILTIN_FUNCTIONS)

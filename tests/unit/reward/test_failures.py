@@ -6,7 +6,6 @@ import asyncio
 import pytest
 
 from rlmesh.config import load_config
-from rlmesh.reward import RewardScorer, load_reward_function
 from rlmesh.reward.failures import (
     FailureTally,
     RewardErrorRule,
@@ -14,6 +13,8 @@ from rlmesh.reward.failures import (
     is_reward_failure,
     step_line_part,
 )
+from rlmesh.reward.loader import load_reward_function
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import common_pb2, reward_pb2, trajectory_pb2
 
 USER_REWARD = """\

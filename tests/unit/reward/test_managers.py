@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.reward import RewardFunctionLoadError, RewardScorer
-from rlmesh.reward.loader import RewardFunction
+from rlmesh.reward.loader import RewardFunction, RewardFunctionLoadError
 from rlmesh.reward.managers import OverlongPenalty, RewardManager, overlong_reward, reward_manager_from_config
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import reward_pb2
 
 MAX_LEN, BUFFER, FACTOR = 20, 8, 1.5

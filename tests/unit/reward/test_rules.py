@@ -2,8 +2,9 @@
 
 import pytest
 
-from rlmesh.reward import builtin_for, default_compute_score, gsm8k, math_dapo, math_reward
+from rlmesh.reward import gsm8k, math_dapo, math_reward
 from rlmesh.reward.arithmetic import compute_score as arithmetic_score
+from rlmesh.reward.builtin import builtin_for, default_compute_score
 
 LONG = "Let me think about this. " * 20  # 500 characters of reasoning
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rlmesh.reward import (
-    InvalidRequestError,
+from rlmesh.reward.loader import (
+    RewardFunction,
     RewardFunctionLoadError,
-    RewardScorer,
     builtin_function,
     load_reward_function,
 )
-from rlmesh.reward.loader import RewardFunction
+from rlmesh.reward.samples import InvalidRequestError
+from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import common_pb2, reward_pb2
 
 Code = common_pb2.ErrorCode
