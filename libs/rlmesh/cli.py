@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -315,10 +316,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _plain_config_warnings()
     try:
-        return int(args.func(args, rest) or 0)
+        code = int(args.func(args, rest) or 0)
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
-        return 130
+        code = 130
+    if args.command in SERVICE_COMMANDS:
+        exit_now(code)
+    return code
+
+
+# A service has stopped by the time its command returns (its server closed, its children and
+# connections gone, its files flushed): the interpreter's own teardown (torch, DeepSpeed, gloo) adds
+# a second or more to every stop and cannot change what the service left behind.
+SERVICE_COMMANDS = ("serve", "engine")
+
+
+def exit_now(code: int) -> None:
+    """Flushes logs and the standard streams, then ends the process with ``code`` at once."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
-"""A job's end, as ``run_job`` runs it: once the learner's run is over, the other services stop
-side by side while the actor is exported in a process of its own, from the last step's checkpoint;
-the export is the same as ``rlmesh export`` of that checkpoint, and nothing the job started
-outlives it."""
+"""A job's end, as ``run_job`` runs it: the learner writes the actor from memory once its last step
+is done, then the services stop side by side; the export is the same as ``rlmesh export`` of the
+last step's checkpoint, and nothing the job started outlives it."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from tests.support.repo import CPU_DEMO
 STEPS = 2
 
 
-def test_the_actor_is_exported_in_its_own_process_while_the_services_stop(tmp_path):
+def test_the_learner_exports_the_actor_and_the_services_stop(tmp_path):
     files = make_files(tmp_path / "files")
     run_dir = tmp_path / "run"
     started = {}
@@ -39,10 +38,12 @@ def test_the_actor_is_exported_in_its_own_process_while_the_services_stop(tmp_pa
     assert result.code == 0, result.failure
     assert set(started) == {"redis", "reward", "rollout-0", "learner"}
     assert not [name for name, proc in started.items() if pid_alive(proc.pid)]
-    # Exported by `rlmesh export` in a child of the job (its log is among the services'), from
-    # the last step's checkpoint, as that command writes it from the same checkpoint.
-    export_log = (result.service_dir / "logs" / "export.log").read_text()
-    assert f"exported the actor to {run_dir / ACTOR_DIR}" in export_log, export_log
+    # Written by the learner (no process of its own), as `rlmesh export` writes it from the last
+    # step's checkpoint.
+    assert not (result.service_dir / "logs" / "export.log").exists()
+    learner_log = (result.service_dir / "logs" / "learner.log").read_text()
+    assert f"exported the actor to {run_dir / ACTOR_DIR}" in learner_log
+    assert not list(run_dir.glob(f"{ACTOR_DIR}.*")), "a temporary directory was left"
     assert result.exported == run_dir / ACTOR_DIR and result.outputs_written
     state = json.loads((run_dir / f"global_step_{STEPS}" / "trainer_state.json").read_text())
     assert state["extra_state"]["step"] == STEPS

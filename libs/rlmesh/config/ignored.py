@@ -238,7 +238,10 @@ IGNORED: tuple[tuple[str, str], ...] = (
         "dynamic sampling draws one new prompt per dropped group as it is dropped: a step never has more "
         "than data.train_batch_size prompts in flight",
     ),
-    ("trainer.rollout_data_dir", "trajectories are in Redis; export them with rlmesh export"),
+    (
+        "trainer.rollout_data_dir",
+        "trajectories live in Redis streams (rlmesh.queue); none are written to files",
+    ),
     ("trainer.validation_data_dir", "use trainer.log_val_generations"),
     ("trainer.esi_redundant_time", "checkpoints are taken by save_freq and on SIGTERM"),
     ("trainer.default_hdfs_dir", "checkpoints go to trainer.default_local_dir only"),

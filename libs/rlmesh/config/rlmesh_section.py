@@ -180,6 +180,13 @@ class LearnerServiceConfig(ServiceConfig):
         "resumed: the control plane's POST /api/v1/run/resume, rlmesh ctl resume or Learner.Resume. "
         "`rlmesh up` sets it, so a stack check trains nothing",
     )
+    export_dir: str = Field(
+        "",
+        description="when the run's last step is done, the learner writes the actor there as an HF "
+        "directory (LoRA merged, the training dtype, the tokenizer beside it), from memory: no process "
+        "loads the checkpoint again. `rlmesh train` sets <trainer.default_local_dir>/actor-hf; empty = none "
+        "(`rlmesh export` writes one from any checkpoint)",
+    )
     optimizer_threads: int = Field(
         0,
         ge=0,

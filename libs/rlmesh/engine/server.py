@@ -5,6 +5,7 @@ The routes it serves: docs/sglang.md; the app: ``app.py``, the routes: ``routes_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -124,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # TLS from the environment its replica exported (rlmesh.security.tls), like the token.
         **uvicorn_ssl(tls_from_env()),
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn raises again the SIGTERM or SIGINT it has already served by stopping cleanly.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -221,13 +221,11 @@ def follow_learner(
     cfg: Any,
     follower: MetricsFollower,
     say: Say,
-    on_last_step: Callable[[], None] | None = None,
 ) -> str:
     """Follows the learner until its run is over (its status says so, or its process exited): a
     line per step (from its metrics rows), what it is doing before its first step (from its
-    status), and a restart for any other service that dies (``Supervisor``); ``on_last_step()``
-    once the row of the run's last step is written (its checkpoint is on disk by then). Returns
-    why the job must fail because a service could not be kept up, else ""."""
+    status), and a restart for any other service that dies (``Supervisor``). Returns why the job
+    must fail because a service could not be kept up, else ""."""
     import grpc
 
     from rlmesh.runtime.auth import bearer_metadata
@@ -258,8 +256,6 @@ def follow_learner(
             say(progress_line(step, max(total, step), row, elapsed, step - first, paused.seconds))
             if known_total and step >= known_total:
                 last_row = True
-                if on_last_step is not None:
-                    on_last_step()
 
     supervisor = Supervisor(
         stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
@@ -290,8 +286,7 @@ def follow_learner(
                 if line != announced:
                     say(line)
                     announced = line
-            # A status a second; the rows more often (the last one starts the export), and back
-            # at once when the learner exits.
+            # A status a second; the rows more often, and back at once when the learner exits.
             for _ in range(5 if st is not None else 2):
                 try:
                     learner.process.popen.wait(timeout=0.2)
@@ -339,7 +334,7 @@ def run_job(
     """
     from rlmesh.config import load_config
     from rlmesh.job.stack import start_stack
-    from rlmesh.runtime.launcher import LaunchError, ManagedProcess, ProcessLauncher
+    from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
     from rlmesh.runtime.run_file import RunFiles, this_process
 
     t0 = time.monotonic()
@@ -351,6 +346,11 @@ def run_job(
     checkpoint_dir = Path(cfg.trainer.default_local_dir).expanduser()
     service_dir = service_dir or checkpoint_dir / "services" / run_id
     overrides = [*overrides, f"rlmesh.run_id={run_id}"]
+    if export and not cfg.rlmesh.learner.export_dir:
+        # The learner writes it from memory once the last step is done (before it says FINISHED).
+        overrides.append(f"rlmesh.learner.export_dir={checkpoint_dir / ACTOR_DIR}")
+    export_dir = cfg.rlmesh.learner.export_dir or str(checkpoint_dir / ACTOR_DIR)
+    wall_start = time.time()
     result = JobResult(
         code=1, run_id=run_id, checkpoint_dir=checkpoint_dir, service_dir=service_dir, wall_s=0
     )
@@ -381,16 +381,7 @@ def run_job(
             assert learner is not None
             if after_start is not None:
                 after_start(stack)
-            exporting: list[ManagedProcess] = []
-
-            def start_export() -> None:
-                # In a process of its own, from the run's last checkpoint, as soon as it is on disk:
-                # it overlaps the learner's exit and the others' stop, and this process never
-                # imports torch (seconds to import, seconds more to exit).
-                if export and cfg.trainer.save_freq > 0 and not exporting:
-                    exporting.append(launcher.spawn("export", export_argv(checkpoint_dir)))
-
-            result.failure = follow_learner(stack, cfg, follower, say, on_last_step=start_export)
+            result.failure = follow_learner(stack, cfg, follower, say)
         except KeyboardInterrupt:
             # Ctrl-C, or SIGTERM (rlmesh.cli): the learner ends its step and writes a checkpoint,
             # which the same command resumes from; everything else stops after it.
@@ -422,12 +413,12 @@ def run_job(
                 return
             result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
             plot(result.rows, result.checkpoint_dir / PLOT_FILE)
-            if exporting:
-                finish_export(exporting[0], result)
-                launcher.stop_together(exporting)  # exited: what it left behind, if anything
-            else:  # no last step seen (nothing left to train), or none saved: an older one, if any
-                write_outputs(result, export, plot_too=False)
-            result.outputs_written = True
+            written = Path(export_dir).expanduser()
+            if export and written_since(written, wall_start):
+                result.exported = written
+                result.outputs_written = True
+            else:  # the learner wrote none (stopped before the last step, or failed to): the last checkpoint's
+                write_outputs(result, export, plot_too=False, out=written)
 
         stack.stop(meanwhile=outputs, learner_exiting=True)
         result.rows = read_metrics(checkpoint_dir / "metrics.jsonl")
@@ -451,33 +442,20 @@ PLOT_FILE = "training.png"
 ACTOR_DIR = "actor-hf"
 
 
-def export_argv(checkpoint_dir: Path) -> list[str]:
-    """``rlmesh export`` of the newest complete checkpoint under ``checkpoint_dir`` to its
-    ``actor-hf``, the run's own config (the checkpoint's copy)."""
-    return [
-        sys.executable,
-        "-m",
-        "rlmesh.cli",
-        "export",
-        "--checkpoint",
-        str(checkpoint_dir),
-        "--out",
-        str(checkpoint_dir / ACTOR_DIR),
-    ]
+def written_since(hf_dir: Path, wall_time: float) -> bool:
+    """``hf_dir`` is an HF directory whose config.json was written at or after ``wall_time``
+    (``time.time()``): this run's export, not an earlier run's left in place."""
+    config = hf_dir / "config.json"
+    try:
+        return config.stat().st_mtime >= wall_time - 1  # file times may be coarser than time.time()
+    except OSError:
+        return False
 
 
-def finish_export(process: Any, result: JobResult) -> None:
-    """Waits for the export ``export_argv`` started; ``result`` records where it wrote, or why not."""
-    code = process.popen.wait()
-    if code == 0:
-        result.exported = result.checkpoint_dir / ACTOR_DIR
-    else:
-        result.export_failure = f"the export failed (exit code {code}); its log: {process.log_path}"
-
-
-def write_outputs(result: JobResult, export: bool, *, plot_too: bool = True) -> None:
+def write_outputs(result: JobResult, export: bool, *, plot_too: bool = True, out: Path | None = None) -> None:
     """The plot of the run's metrics rows and, with ``export``, its last checkpoint's actor as an
-    HF directory (``<checkpoint dir>/actor-hf``), in this process; ``result`` records them."""
+    HF directory (``out``, default ``<checkpoint dir>/actor-hf``), in this process; ``result``
+    records them."""
     # Not `rlmesh.learner`'s package exports: those import the trainer and DeepSpeed (seconds).
     from rlmesh.learner.checkpoint import latest_checkpoint
     from rlmesh.learner.export import export_checkpoint
@@ -486,7 +464,7 @@ def write_outputs(result: JobResult, export: bool, *, plot_too: bool = True) -> 
         plot(result.rows, result.checkpoint_dir / PLOT_FILE)
     checkpoint = latest_checkpoint(str(result.checkpoint_dir))
     if export and checkpoint is not None:
-        result.exported = export_checkpoint(checkpoint, result.checkpoint_dir / ACTOR_DIR)
+        result.exported = export_checkpoint(checkpoint, out or result.checkpoint_dir / ACTOR_DIR)
     result.outputs_written = True
 
 
@@ -596,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.trainer.save_freq <= 0:
         print(
             f"rlmesh train: trainer.save_freq={cfg.trainer.save_freq} (verl's default): no checkpoint will be "
-            "written, so the actor cannot be exported and running this command again starts over; set "
+            "written, so running this command again starts over (the actor is still exported at the end); set "
             "trainer.save_freq to keep them",
             file=sys.stderr,
             flush=True,

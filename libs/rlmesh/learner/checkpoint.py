@@ -198,11 +198,8 @@ def write_json_durably(path: Path, data: Any) -> None:
 
 
 def finalize_checkpoint_dir(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Rank 0, after every rank wrote into ``tmp``: mark it complete and move it to ``path``.
-
-    An existing ``path`` (the same step saved again) is moved aside first and deleted after the
-    rename, so at every instant one complete copy exists.
-    """
+    """Rank 0, after every rank wrote into ``tmp``: mark it complete and move it to ``path`` (an
+    existing one, the same step saved again, replaced: ``replace_dir``)."""
     tmp, path = Path(tmp), Path(path)
     for f in tmp.rglob("*"):
         if f.is_file():
@@ -211,6 +208,13 @@ def finalize_checkpoint_dir(tmp: str | os.PathLike[str], path: str | os.PathLike
     marker.write_text("complete\n")
     _fsync_file(marker)
     _fsync_dir(tmp)
+    replace_dir(tmp, path)
+
+
+def replace_dir(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Moves the directory ``tmp`` to ``path``; an existing ``path`` is moved aside first and deleted
+    after the rename, so at every instant one complete copy exists."""
+    tmp, path = Path(tmp), Path(path)
     old = None
     if path.exists():
         old = path.with_name(f"{path.name}{OLD_INFIX}{os.getpid()}")

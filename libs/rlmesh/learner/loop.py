@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import shutil
 import time
 from collections import Counter, deque
@@ -27,7 +28,7 @@ from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.data.cursor import total_training_steps
 from rlmesh.engine.client import EngineClient, engine_device_of
 from rlmesh.learner.batch import validate_trajectory
-from rlmesh.learner.checkpoint import latest_checkpoint
+from rlmesh.learner.checkpoint import latest_checkpoint, replace_dir
 from rlmesh.learner.collect import BatchCollector, StepBatch
 from rlmesh.learner.commands import Followers, RankCommand, run_collective
 from rlmesh.learner.dynamic_sampling import GenBatches, GroupFilter, draw_in_place
@@ -423,6 +424,23 @@ class TrainingLoop:
         )
         return time.monotonic() - t0
 
+    async def _export_actor(self, out_dir: str) -> None:
+        """The trained actor as an HF directory at ``out_dir``, from memory, published whole (a
+        directory beside it, then a rename). A failure is logged, not raised: the run is trained and
+        its checkpoint saved, from which ``rlmesh export`` (or ``rlmesh train``) writes it."""
+        out = Path(out_dir).expanduser()
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        self.state.phase = "CHECKPOINTING"  # the phases are the proto's: writing the actor is one
+        self.progress(f"writing the actor to {out}")
+        try:
+            await asyncio.to_thread(self._collective, RankCommand("export", path=str(tmp)))
+            replace_dir(tmp, out)
+        except Exception as e:
+            log.error("could not write the actor to %s: %s", out, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        log.info("exported the actor to %s", out)
+
     def _export_snapshot(self, version: int) -> str:
         root = Path(self.cfg.rlmesh.weight_sync.disk_dir or self.checkpoint_root / "weights")
         path = root / f"v{version}"
@@ -526,6 +544,8 @@ class TrainingLoop:
             # ranks the others may still be inside a collective); the last checkpoint stands.
             if self.state.stop_requested and self.state.stop_checkpoint and self.state.step > 0:
                 await self._checkpoint(self.state.step, final=True)
+            if self.state.step >= self.state.total_steps and cfg.rlmesh.learner.export_dir:
+                await self._export_actor(cfg.rlmesh.learner.export_dir)
             if self.state.step >= self.state.total_steps and self._redis is not None:
                 ttl_s = cfg.rlmesh.queue.finished_run_ttl_s
                 expiring = await expire_run_keys(self._redis, self.keys, ttl_s)
