@@ -34,6 +34,7 @@ from rlmesh.runtime.launcher import (
     ServiceInstance,
     ServiceRequest,
 )
+from rlmesh.runtime.net import free_port
 from rlmesh.runtime.tls import export_tls, http_scheme, sync_channel, tls_of
 from rlmesh.v1 import (
     common_pb2,
@@ -223,8 +224,8 @@ def start_stack(
     say: Callable[[str], None] = print,
 ) -> Stack:
     """Starts what the config needs on this machine, each service on free ports and side by side
-    with the others, each as soon as those whose address it needs serve (reward and reference
-    first; the replicas and the learner once both do; the control plane once the learner does);
+    with the others: all at once but the control plane, which starts once the learner serves
+    (reward and reference get their gRPC port from here, so the others are told it up front);
     returns when every one is healthy, raises ``LaunchError`` naming the one that failed.
 
     Attaches instead of starting where the config points at something running: Redis when
@@ -279,40 +280,39 @@ def start_stack(
             timeout_s=wait_s,
         )
 
-    # Each service starts the moment those whose address it needs serve: reward and reference at
-    # once; the replicas and the learner when both are up; the control plane when the learner is
-    # (not waiting for the replicas, which take longest: they start an engine).
-    first = []
+    # Everything but the control plane starts at once: reward and reference on ports chosen here,
+    # so the replicas and the learner are given their addresses before either serves (a client
+    # retries until they do, seconds before its first call); the control plane when the learner
+    # serves (it is given its address).
+    requests = []
     for service in ("reward", "reference"):
-        given_addresses = getattr(cfg.rlmesh, service).addresses
+        section = getattr(cfg.rlmesh, service)
         if service == "reference" and cfg.rlmesh.reference.colocated:
             if service in services:
                 say(f"{service:<12} colocated in the learner (rlmesh.reference.colocated): not started")
-        elif given_addresses:
-            stack.attached[service] = list(given_addresses)
-            say(f"{service:<12} {', '.join(given_addresses)} (given: not started here)")
+        elif section.addresses:
+            stack.attached[service] = list(section.addresses)
+            say(f"{service:<12} {', '.join(section.addresses)} (given: not started here)")
         elif service in services:
-            first.append(service)
+            port = free_port(section.client_addresses()[0].rsplit(":", 1)[0])
+            address = section.model_copy(update={"port": port}).client_addresses()[0]
+            stack.overrides.append(f"rlmesh.{service}.addresses=['{address}']")
+            requests.append(request(service, service, [f"rlmesh.{service}.port={port}"], ""))
     if "rollout" in services and cfg.rlmesh.rollout.replicas == 0:
         stack.attached["rollout"] = []
         say(
             f"{'rollout':<12} none started: the replicas registered in {redact_url(redis_url)} serve this run"
         )
-
-    def second() -> list[ServiceRequest]:
-        """The replicas and the learner: given the reward's and reference's addresses by now."""
-        wave = []
-        if "rollout" in services:
-            engine = cfg.actor_rollout_ref.rollout.name
-            for i in range(cfg.rlmesh.rollout.replicas):
-                extra = [f"rlmesh.sampler.replica_id=rollout-{i}"]
-                wave.append(request("rollout", f"rollout-{i}", extra, f", {engine} engine"))
-        if "learner" in services:
-            ranks = cfg.rlmesh.learner.ranks
-            wave.append(
-                request("learner", "learner", (), f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
-            )
-        return wave
+    if "rollout" in services:
+        engine = cfg.actor_rollout_ref.rollout.name
+        for i in range(cfg.rlmesh.rollout.replicas):
+            extra = [f"rlmesh.sampler.replica_id=rollout-{i}"]
+            requests.append(request("rollout", f"rollout-{i}", extra, f", {engine} engine"))
+    if "learner" in services:
+        ranks = cfg.rlmesh.learner.ranks
+        requests.append(
+            request("learner", "learner", (), f", DeepSpeed, {ranks} rank{'s' if ranks > 1 else ''}")
+        )
 
     def control(learner: ServiceInstance) -> list[ServiceRequest]:
         if "control" not in services or not cfg.rlmesh.control.enabled:
@@ -323,20 +323,13 @@ def start_stack(
             request("control", "control", [f"rlmesh.learner.addresses=['{learner.grpc_address}']", *port], "")
         ]
 
-    waiting_for = set(first)
-
     def then(instance: ServiceInstance) -> list[ServiceRequest]:
         stack.started.append(instance)
         say(f"{instance.name:<12} {instance.grpc_address} (pid {instance.process.pid}{notes[instance.name]})")
         if instance.name == "control":
             say(f"{'':<12} control plane: {http_scheme()}://{instance.grpc_address}/docs")
-        if instance.name in waiting_for:
-            stack.overrides.append(f"rlmesh.{instance.name}.addresses=['{instance.grpc_address}']")
-            waiting_for.discard(instance.name)
-            return second() if not waiting_for else []
         return control(instance) if instance.name == "learner" else []
 
-    requests = [request(service, service, (), "") for service in first] if first else second()
     started = launcher.start_services(requests, then=then)
     # In the order they were started (as `rlmesh up` reports them), not the order they came up.
     stack.started = sorted(stack.started, key=lambda s: [i.name for i in started].index(s.name))

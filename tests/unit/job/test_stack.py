@@ -70,10 +70,24 @@ def test_a_colocated_reference_starts_no_reference_service(kl):
     assert names == ["reward", "rollout-0", "learner", "control"]
 
 
+def port_given(overrides: list[str], service: str) -> str:
+    """The gRPC port ``start_stack`` chose for ``service`` (its last ``rlmesh.<service>.port``)."""
+    return [o for o in overrides if o.startswith(f"rlmesh.{service}.port=")][-1].split("=")[1]
+
+
 def test_the_reference_service_is_the_default():
-    names, _, overrides = stack_of("algorithm.use_kl_in_reward=true")
-    assert names == ["reward", "reference", "rollout-0", "learner", "control"]
-    assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in overrides
+    launcher = RecordingLauncher()
+    stack = start_stack(launcher, None, [REDIS, "algorithm.use_kl_in_reward=true"], say=lambda line: None)
+    assert [name for _, name, _ in launcher.started] == [
+        "reward",
+        "reference",
+        "rollout-0",
+        "learner",
+        "control",
+    ]
+    reference = next(o for _, name, o in launcher.started if name == "reference")
+    port = port_given(reference, "reference")
+    assert port != "0" and f"rlmesh.reference.addresses=['127.0.0.1:{port}']" in stack.overrides
 
 
 def control_overrides(*overrides: str) -> list[str] | None:
@@ -92,10 +106,10 @@ def test_the_control_plane_starts_last_pointed_at_the_learner():
     assert given[-1] == "rlmesh.control.port=8123"  # after the free-port override: it wins
 
 
-def test_each_service_starts_as_soon_as_those_whose_address_it_needs_serve():
-    # The reference comes up first, then the reward; the learner long before the replicas.
+def test_all_but_the_control_plane_start_at_once_told_the_reward_and_reference_ports():
+    # The learner comes up long before the replicas, the reward after the learner.
     launcher = RecordingLauncher(
-        ready_order=["reference", "reward", "learner", "control", "rollout-0", "rollout-1"]
+        ready_order=["reference", "learner", "control", "reward", "rollout-0", "rollout-1"]
     )
     stack = start_stack(
         launcher,
@@ -103,21 +117,16 @@ def test_each_service_starts_as_soon_as_those_whose_address_it_needs_serve():
         [REDIS, "algorithm.use_kl_in_reward=true", "rlmesh.rollout.replicas=2"],
         say=lambda line: None,
     )
-    # Replicas and learner need the reward's and reference's addresses: they start once both
-    # serve, side by side; the control plane needs the learner's only, not the replicas'.
-    assert launcher.waves == [["reward", "reference"], ["rollout-0", "rollout-1", "learner"], ["control"]]
-    assert launcher.events[:5] == [
-        "start reward",
-        "start reference",
-        "ready reference",
-        "ready reward",
-        "start rollout-0",
-    ]
-    assert launcher.events.index("start control") < launcher.events.index("ready rollout-0")
+    # Nobody waits for the reward or reference to serve: their ports are chosen up front and given
+    # to the replicas and the learner; the control plane needs the learner's address, not the replicas'.
+    assert launcher.waves == [["reward", "reference", "rollout-0", "rollout-1", "learner"], ["control"]]
+    assert launcher.events.index("start control") < launcher.events.index("ready reward")
     by_name = {name: overrides for _, name, overrides in launcher.started}
+    ports = {service: port_given(by_name[service], service) for service in ("reward", "reference")}
+    assert len(set(ports.values())) == 2 and "0" not in ports.values()
     for name in ("rollout-0", "rollout-1", "learner"):
-        assert "rlmesh.reward.addresses=['127.0.0.1:6001']" in by_name[name]
-        assert "rlmesh.reference.addresses=['127.0.0.1:6002']" in by_name[name]
+        for service, port in ports.items():
+            assert f"rlmesh.{service}.addresses=['127.0.0.1:{port}']" in by_name[name]
     # Reported in the order they were started, whatever order they came up in.
     assert [s.name for s in stack.started] == [
         "reward",
