@@ -25,7 +25,7 @@ from tests.support.repo import CPU_DEMO, REPO
 STEPS = 500
 SHOWN = 30  # steps the screenshot shows
 TOKEN = "dashboard-test-token"
-LR = 1.25e-4  # constant schedule: hparams/lr and actor/lr show it as it is
+LR = 1.25e-4  # constant schedule: hparams/actor_lr and actor/lr show it as it is
 # Charts the demo's run always feeds; the others (entropy, KL loss) only when the run logs them.
 ALWAYS = ("reward", "kl", "kl_coef", "grad_norm", "validation", "step_time", "tokens", "queues")
 
@@ -121,8 +121,8 @@ def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_p
         assert api.post("/run/resume").json()["paused"] is False
 
         def trained_with() -> dict[int, float]:
-            rows = api.get("/run/metrics", params={"keys": "hparams/lr", "start": 1}).json()["rows"]
-            return {r["step"]: r["metrics"]["hparams/lr"] for r in rows if "hparams/lr" in r["metrics"]}
+            rows = api.get("/run/metrics", params={"keys": "hparams/actor_lr", "start": 1}).json()["rows"]
+            return {r["step"]: r["metrics"]["hparams/actor_lr"] for r in rows if "hparams/actor_lr" in r["metrics"]}
 
         wait_until(lambda: len(trained_with()) >= SHOWN, 300, f"{SHOWN} steps in the history", every_s=0.5)
         lrs = trained_with()

@@ -165,11 +165,13 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
             saved = stub.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(), timeout=120)
             assert saved.step == held and Path(saved.path).name == f"global_step_{held}"
             assert stub.GetStatus(common_pb2.Empty()).step == held  # still holding
-            update = stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(lr=3e-5, entropy_coeff=0.01))
+            update = stub.UpdateHyperparams(
+                learner_pb2.UpdateHyperparamsRequest(actor_lr=3e-5, entropy_coeff=0.01)
+            )
             assert update.applies_from_step == held + 1
             assert update.values["actor_rollout_ref.actor.optim.lr"] == pytest.approx(3e-5)
             with pytest.raises(grpc.RpcError) as bad:
-                stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(lr=-1.0))
+                stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(actor_lr=-1.0))
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lr=-1.0" in bad.value.details()
             for value in (float("nan"), float("inf")):
                 with pytest.raises(grpc.RpcError) as bad:
@@ -179,7 +181,7 @@ def test_pause_checkpoint_hyperparams_and_stop_over_grpc(tmp_path, prepared):
             # What the fuzz left pending is replaced before the run goes on.
             stub.UpdateHyperparams(
                 learner_pb2.UpdateHyperparamsRequest(
-                    lr=3e-5,
+                    actor_lr=3e-5,
                     entropy_coeff=0.01,
                     kl_coef=0.001,
                     temperature=1.0,

@@ -379,8 +379,8 @@ def test_nan_and_out_of_range_values_are_refused(target: Target):
     with grpc.insecure_channel(target.address("learner")) as channel:
         stub = learner_pb2_grpc.LearnerStub(channel)
         for request in (
-            learner_pb2.UpdateHyperparamsRequest(lr=1e9),
-            learner_pb2.UpdateHyperparamsRequest(lr=float("nan")),
+            learner_pb2.UpdateHyperparamsRequest(actor_lr=1e9),
+            learner_pb2.UpdateHyperparamsRequest(actor_lr=float("nan")),
         ):
             code = grpc_code(stub.UpdateHyperparams, request, metadata=bearer_metadata(TOKEN))
             assert code == grpc.StatusCode.INVALID_ARGUMENT

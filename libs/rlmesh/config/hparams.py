@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Hparam:
-    name: str  # the REST field, and the Learner proto's UpdateHyperparamsRequest field
-    proto: str
+    name: str  # the REST field, the Learner proto's UpdateHyperparamsRequest field, the trainer's argument
     key: str  # the config key it overrides
     low: float
     high: float
@@ -21,10 +20,9 @@ class Hparam:
 HPARAMS: dict[str, Hparam] = {
     h.name: h
     for h in (
-        Hparam("actor_lr", "lr", "actor_rollout_ref.actor.optim.lr", 0.0, 1.0, True, "the actor's peak lr"),
-        Hparam("critic_lr", "critic_lr", "critic.optim.lr", 0.0, 1.0, True, "the critic's peak lr"),
+        Hparam("actor_lr", "actor_rollout_ref.actor.optim.lr", 0.0, 1.0, True, "the actor's peak lr"),
+        Hparam("critic_lr", "critic.optim.lr", 0.0, 1.0, True, "the critic's peak lr"),
         Hparam(
-            "kl_coef",
             "kl_coef",
             "algorithm.kl_ctrl.kl_coef",
             0.0,
@@ -34,7 +32,6 @@ HPARAMS: dict[str, Hparam] = {
         ),
         Hparam(
             "kl_loss_coef",
-            "kl_loss_coef",
             "actor_rollout_ref.actor.kl_loss_coef",
             0.0,
             10.0,
@@ -42,7 +39,6 @@ HPARAMS: dict[str, Hparam] = {
             "the KL loss coefficient",
         ),
         Hparam(
-            "entropy_coeff",
             "entropy_coeff",
             "actor_rollout_ref.actor.entropy_coeff",
             0.0,
@@ -52,7 +48,6 @@ HPARAMS: dict[str, Hparam] = {
         ),
         Hparam(
             "clip_ratio",
-            "clip_ratio",
             "actor_rollout_ref.actor.clip_ratio",
             0.0,
             1.0,
@@ -61,17 +56,15 @@ HPARAMS: dict[str, Hparam] = {
         ),
         Hparam(
             "temperature",
-            "temperature",
             "actor_rollout_ref.rollout.temperature",
             0.0,
             2.0,
             True,
             "the rollout sampling temperature",
         ),
-        Hparam("top_p", "top_p", "actor_rollout_ref.rollout.top_p", 0.0, 1.0, True, "the rollout top-p"),
+        Hparam("top_p", "actor_rollout_ref.rollout.top_p", 0.0, 1.0, True, "the rollout top-p"),
     )
 }
-BY_PROTO = {h.proto: h for h in HPARAMS.values()}
 BY_KEY = {h.key: h for h in HPARAMS.values()}
 
 
@@ -101,6 +94,6 @@ def problems(values: dict[str, object]) -> list[str]:
     return out
 
 
-def from_proto_values(values: dict[str, float]) -> dict[str, float]:
-    """The learner's answer (proto field names) under the REST names."""
-    return {BY_PROTO[k].name: float(v) for k, v in values.items() if k in BY_PROTO}
+def known_values(values: dict[str, float]) -> dict[str, float]:
+    """The live hyper-parameters among ``values`` (a learner's status map), as floats."""
+    return {k: float(v) for k, v in values.items() if k in HPARAMS}

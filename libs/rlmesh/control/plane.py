@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from rlmesh.config import RLMeshConfig
-from rlmesh.config.hparams import BY_KEY, HPARAMS, from_proto_values, problems
+from rlmesh.config.hparams import BY_KEY, HPARAMS, known_values, problems
 from rlmesh.config.loader import dump_public_yaml
 from rlmesh.config.secrets import public_config
 from rlmesh.control.audit import AuditLog
@@ -103,7 +103,7 @@ class ControlPlane:
             "message": st.message,
             "eta_s": None if eta is None else round(eta, 1),
             "mean_step_s": round(sum(times) / len(times), 3) if times else None,
-            "hyperparams": from_proto_values(dict(st.hyperparams)),
+            "hyperparams": known_values(dict(st.hyperparams)),
             "metrics": dict(st.metrics),
         }
 
@@ -147,7 +147,7 @@ class ControlPlane:
 
     async def hyperparams(self) -> dict[str, Any]:
         st = await self.learner.status()
-        current = from_proto_values(dict(st.hyperparams))
+        current = known_values(dict(st.hyperparams))
         return {
             "values": current,
             "fields": {
@@ -173,11 +173,11 @@ class ControlPlane:
             raise ControlError(422, "; ".join(bad))
         if not values:
             raise ControlError(422, "hyper-parameters: give at least one field")
-        before = from_proto_values(dict((await self.learner.status()).hyperparams))
+        before = known_values(dict((await self.learner.status()).hyperparams))
         missing = [n for n in values if n not in before]
         if missing:
             raise ControlError(409, f"{missing[0]}: this run has no such hyper-parameter (no critic?)")
-        reply = await self.learner.update({HPARAMS[n].proto: float(v) for n, v in values.items()})
+        reply = await self.learner.update({n: float(v) for n, v in values.items()})
         after = {BY_KEY[k].name: float(v) for k, v in reply.values.items() if k in BY_KEY}
         for name, value in values.items():
             await self.audit.record(
@@ -220,7 +220,7 @@ class ControlPlane:
                 log.exception("automatic responses failed; trying again")
 
     async def respond(self, step: int, metrics: dict[str, float]) -> list[Remedy]:
-        hparams = from_proto_values(dict((await self.learner.status()).hyperparams))
+        hparams = known_values(dict((await self.learner.status()).hyperparams))
         remedies = self.responder.decide(step, metrics, hparams)
         for remedy in remedies:
             await self.apply(remedy, step, "auto")
@@ -230,7 +230,7 @@ class ControlPlane:
         st = await self.learner.status()
         rows = [r for r in await read_recent_metrics(self.redis, self.keys, 4) if r["step"] > 0]
         metrics = rows[-1]["metrics"] if rows else {}
-        remedy = self.responder.on_alert(alertname, st.step, metrics, from_proto_values(dict(st.hyperparams)))
+        remedy = self.responder.on_alert(alertname, st.step, metrics, known_values(dict(st.hyperparams)))
         if remedy is not None:
             await self.apply(remedy, st.step, "webhook")
         return remedy

@@ -7,15 +7,11 @@ import logging
 
 import grpc
 
-from rlmesh.config.hparams import BY_PROTO, in_range, range_text
+from rlmesh.config.hparams import HPARAMS, in_range, range_text
 from rlmesh.learner.loop import TrainingLoop
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger("rlmesh.learner")
-
-# UpdateHyperparamsRequest's fields -> the config keys they override; their ranges are the control
-# plane's (one table: a value the REST API refuses is refused here too, whoever sends it).
-HPARAM_KEYS = {h.proto: h.key for h in BY_PROTO.values()}
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -78,9 +74,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     async def UpdateHyperparams(
         self, request: learner_pb2.UpdateHyperparamsRequest, context: grpc.aio.ServicerContext
     ) -> learner_pb2.UpdateHyperparamsResponse:
-        given = {k: getattr(request, k) for k in HPARAM_KEYS if request.HasField(k)}
+        # UpdateHyperparamsRequest's fields are the table's names; their ranges are the control
+        # plane's (a value the REST API refuses is refused here too, whoever sends it).
+        given = {k: getattr(request, k) for k in HPARAMS if request.HasField(k)}
         for key, value in given.items():
-            h = BY_PROTO[key]
+            h = HPARAMS[key]
             if not in_range(h, value):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -97,7 +95,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         log.info("hyper-parameters updated from step %d: %s", applies, given)
         return learner_pb2.UpdateHyperparamsResponse(
             applies_from_step=applies,
-            values={HPARAM_KEYS[k]: v for k, v in self.loop.current_hparams().items()},
+            values={HPARAMS[k].key: v for k, v in self.loop.current_hparams().items()},
         )
 
     async def Stop(

@@ -364,24 +364,25 @@ class PPOTrainer:
 
     def update_hyperparams(
         self,
-        lr: float | None = None,
+        *,
+        actor_lr: float | None = None,
+        critic_lr: float | None = None,
         entropy_coeff: float | None = None,
         kl_coef: float | None = None,
-        *,
-        critic_lr: float | None = None,
         kl_loss_coef: float | None = None,
         clip_ratio: float | None = None,
         temperature: float | None = None,
     ) -> None:
         """Change live hyper-parameters from the next step on: the actor's or the critic's peak lr,
         the entropy coefficient, the KL coefficient, the clip range or the temperature log-probs
-        are computed at. ``kl_coef`` sets ``actor.kl_loss_coef`` (KL loss) and, with KL in the
-        reward, the controller's coefficient at the start of the next :meth:`train_step`;
-        ``kl_loss_coef`` sets the KL loss's alone. ``clip_ratio`` sets both sides of the clip range
+        are computed at; the names are the live hyper-parameters' (``rlmesh.config.hparams``).
+        ``kl_coef`` is the in-reward KL controller's coefficient (``algorithm.kl_ctrl.kl_coef``),
+        set at the start of the next :meth:`train_step` (no effect without KL in the reward);
+        ``kl_loss_coef`` is the KL loss's. ``clip_ratio`` sets both sides of the clip range
         (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``). ``temperature`` is the sampling
         temperature of the samples the next steps train on (0, greedy, scores at 1 as at start)."""
-        if lr is not None:
-            set_base_lr(self.actor.scheduler, float(lr))
+        if actor_lr is not None:
+            set_base_lr(self.actor.scheduler, float(actor_lr))
         if critic_lr is not None:
             if self.critic is None:
                 raise ValueError("critic_lr: this trainer has no critic")
@@ -389,9 +390,7 @@ class PPOTrainer:
         if entropy_coeff is not None:
             self.actor.entropy_coeff = float(entropy_coeff)
         if kl_coef is not None:
-            self.actor.kl_loss_coef = float(kl_coef)
-            if self.algo_cfg.use_kl_in_reward:
-                self._pending_kl_coef = float(kl_coef)
+            self._pending_kl_coef = float(kl_coef)
         if kl_loss_coef is not None:
             self.actor.kl_loss_coef = float(kl_loss_coef)
         if clip_ratio is not None:
@@ -405,9 +404,9 @@ class PPOTrainer:
             if self.reference is not None:
                 self.reference.model.temperature = scoring
         log.info(
-            "hyperparameters updated: lr=%s critic_lr=%s entropy_coeff=%s kl_coef=%s kl_loss_coef=%s "
+            "hyperparameters updated: actor_lr=%s critic_lr=%s entropy_coeff=%s kl_coef=%s kl_loss_coef=%s "
             "clip_ratio=%s temperature=%s",
-            lr,
+            actor_lr,
             critic_lr,
             entropy_coeff,
             kl_coef,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import common_pb2 as rlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/learner.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"\xaf\x03\n\rLearnerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12&\n\x05phase\x18\x05 \x01(\x0e\x32\x17.rlmesh.v1.LearnerPhase\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\x36\n\x07metrics\x18\x07 \x03(\x0b\x32%.rlmesh.v1.LearnerStatus.MetricsEntry\x12\x15\n\rlive_replicas\x18\x08 \x01(\x05\x12\x17\n\x0flast_checkpoint\x18\t \x01(\t\x12\x0f\n\x07message\x18\n \x01(\t\x12>\n\x0bhyperparams\x18\x0b \x03(\x0b\x32).rlmesh.v1.LearnerStatus.HyperparamsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xc4\x02\n\x18UpdateHyperparamsRequest\x12\x14\n\x07kl_coef\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x02lr\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rentropy_coeff\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tcritic_lr\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0ckl_loss_coef\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x17\n\nclip_ratio\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x42\n\n\x08_kl_coefB\x05\n\x03_lrB\x10\n\x0e_entropy_coeffB\x0e\n\x0c_temperatureB\x0c\n\n_critic_lrB\x0f\n\r_kl_loss_coefB\r\n\x0b_clip_ratioB\x08\n\x06_top_p\"\xa7\x01\n\x19UpdateHyperparamsResponse\x12\x19\n\x11\x61pplies_from_step\x18\x01 \x01(\x03\x12@\n\x06values\x18\x02 \x03(\x0b\x32\x30.rlmesh.v1.UpdateHyperparamsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x0bStopRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08*\xdb\x02\n\x0cLearnerPhase\x12\x1d\n\x19LEARNER_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16LEARNER_PHASE_STARTING\x10\x01\x12\x1c\n\x18LEARNER_PHASE_VALIDATING\x10\x02\x12&\n\"LEARNER_PHASE_WAITING_FOR_ROLLOUTS\x10\x03\x12\x1a\n\x16LEARNER_PHASE_TRAINING\x10\x04\x12!\n\x1dLEARNER_PHASE_PUSHING_WEIGHTS\x10\x05\x12\x1f\n\x1bLEARNER_PHASE_CHECKPOINTING\x10\x06\x12\x18\n\x14LEARNER_PHASE_PAUSED\x10\x07\x12\x1a\n\x16LEARNER_PHASE_STOPPING\x10\x08\x12\x1a\n\x16LEARNER_PHASE_FINISHED\x10\t\x12\x18\n\x14LEARNER_PHASE_FAILED\x10\n2\x9e\x03\n\x07Learner\x12\x37\n\tGetStatus\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12\x33\n\x05Pause\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12\x34\n\x06Resume\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12^\n\x11UpdateHyperparams\x12#.rlmesh.v1.UpdateHyperparamsRequest\x1a$.rlmesh.v1.UpdateHyperparamsResponse\x12\x38\n\x04Stop\x12\x16.rlmesh.v1.StopRequest\x1a\x18.rlmesh.v1.LearnerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/learner.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/common.proto\"\xaf\x03\n\rLearnerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12&\n\x05phase\x18\x05 \x01(\x0e\x32\x17.rlmesh.v1.LearnerPhase\x12\x0e\n\x06paused\x18\x06 \x01(\x08\x12\x36\n\x07metrics\x18\x07 \x03(\x0b\x32%.rlmesh.v1.LearnerStatus.MetricsEntry\x12\x15\n\rlive_replicas\x18\x08 \x01(\x05\x12\x17\n\x0flast_checkpoint\x18\t \x01(\t\x12\x0f\n\x07message\x18\n \x01(\t\x12>\n\x0bhyperparams\x18\x0b \x03(\x0b\x32).rlmesh.v1.LearnerStatus.HyperparamsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10HyperparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xd0\x02\n\x18UpdateHyperparamsRequest\x12\x14\n\x07kl_coef\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08\x61\x63tor_lr\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rentropy_coeff\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tcritic_lr\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0ckl_loss_coef\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x17\n\nclip_ratio\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x07\x88\x01\x01\x42\n\n\x08_kl_coefB\x0b\n\t_actor_lrB\x10\n\x0e_entropy_coeffB\x0e\n\x0c_temperatureB\x0c\n\n_critic_lrB\x0f\n\r_kl_loss_coefB\r\n\x0b_clip_ratioB\x08\n\x06_top_p\"\xa7\x01\n\x19UpdateHyperparamsResponse\x12\x19\n\x11\x61pplies_from_step\x18\x01 \x01(\x03\x12@\n\x06values\x18\x02 \x03(\x0b\x32\x30.rlmesh.v1.UpdateHyperparamsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x0bStopRequest\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08*\xdb\x02\n\x0cLearnerPhase\x12\x1d\n\x19LEARNER_PHASE_UNSPECIFIED\x10\x00\x12\x1a\n\x16LEARNER_PHASE_STARTING\x10\x01\x12\x1c\n\x18LEARNER_PHASE_VALIDATING\x10\x02\x12&\n\"LEARNER_PHASE_WAITING_FOR_ROLLOUTS\x10\x03\x12\x1a\n\x16LEARNER_PHASE_TRAINING\x10\x04\x12!\n\x1dLEARNER_PHASE_PUSHING_WEIGHTS\x10\x05\x12\x1f\n\x1bLEARNER_PHASE_CHECKPOINTING\x10\x06\x12\x18\n\x14LEARNER_PHASE_PAUSED\x10\x07\x12\x1a\n\x16LEARNER_PHASE_STOPPING\x10\x08\x12\x1a\n\x16LEARNER_PHASE_FINISHED\x10\t\x12\x18\n\x14LEARNER_PHASE_FAILED\x10\n2\x9e\x03\n\x07Learner\x12\x37\n\tGetStatus\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12\x33\n\x05Pause\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12\x34\n\x06Resume\x12\x10.rlmesh.v1.Empty\x1a\x18.rlmesh.v1.LearnerStatus\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12^\n\x11UpdateHyperparams\x12#.rlmesh.v1.UpdateHyperparamsRequest\x1a$.rlmesh.v1.UpdateHyperparamsResponse\x12\x38\n\x04Stop\x12\x16.rlmesh.v1.StopRequest\x1a\x18.rlmesh.v1.LearnerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEARNERSTATUS_HYPERPARAMSENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._loaded_options = None
   _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_LEARNERPHASE']._serialized_start=1122
-  _globals['_LEARNERPHASE']._serialized_end=1469
+  _globals['_LEARNERPHASE']._serialized_start=1134
+  _globals['_LEARNERPHASE']._serialized_end=1481
   _globals['_LEARNERSTATUS']._serialized_start=63
   _globals['_LEARNERSTATUS']._serialized_end=494
   _globals['_LEARNERSTATUS_METRICSENTRY']._serialized_start=396
@@ -51,13 +51,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=535
   _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=587
   _globals['_UPDATEHYPERPARAMSREQUEST']._serialized_start=590
-  _globals['_UPDATEHYPERPARAMSREQUEST']._serialized_end=914
-  _globals['_UPDATEHYPERPARAMSRESPONSE']._serialized_start=917
-  _globals['_UPDATEHYPERPARAMSRESPONSE']._serialized_end=1084
-  _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._serialized_start=1039
-  _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._serialized_end=1084
-  _globals['_STOPREQUEST']._serialized_start=1086
-  _globals['_STOPREQUEST']._serialized_end=1119
-  _globals['_LEARNER']._serialized_start=1472
-  _globals['_LEARNER']._serialized_end=1886
+  _globals['_UPDATEHYPERPARAMSREQUEST']._serialized_end=926
+  _globals['_UPDATEHYPERPARAMSRESPONSE']._serialized_start=929
+  _globals['_UPDATEHYPERPARAMSRESPONSE']._serialized_end=1096
+  _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._serialized_start=1051
+  _globals['_UPDATEHYPERPARAMSRESPONSE_VALUESENTRY']._serialized_end=1096
+  _globals['_STOPREQUEST']._serialized_start=1098
+  _globals['_STOPREQUEST']._serialized_end=1131
+  _globals['_LEARNER']._serialized_start=1484
+  _globals['_LEARNER']._serialized_end=1898
 # @@protoc_insertion_point(module_scope)

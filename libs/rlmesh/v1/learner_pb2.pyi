@@ -88,9 +88,9 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class UpdateHyperparamsRequest(_message.Message):
-    __slots__ = ("kl_coef", "lr", "entropy_coeff", "temperature", "critic_lr", "kl_loss_coef", "clip_ratio", "top_p")
+    __slots__ = ("kl_coef", "actor_lr", "entropy_coeff", "temperature", "critic_lr", "kl_loss_coef", "clip_ratio", "top_p")
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
-    LR_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_LR_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEFF_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     CRITIC_LR_FIELD_NUMBER: _ClassVar[int]
@@ -98,14 +98,14 @@ class UpdateHyperparamsRequest(_message.Message):
     CLIP_RATIO_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     kl_coef: float
-    lr: float
+    actor_lr: float
     entropy_coeff: float
     temperature: float
     critic_lr: float
     kl_loss_coef: float
     clip_ratio: float
     top_p: float
-    def __init__(self, kl_coef: _Optional[float] = ..., lr: _Optional[float] = ..., entropy_coeff: _Optional[float] = ..., temperature: _Optional[float] = ..., critic_lr: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
+    def __init__(self, kl_coef: _Optional[float] = ..., actor_lr: _Optional[float] = ..., entropy_coeff: _Optional[float] = ..., temperature: _Optional[float] = ..., critic_lr: _Optional[float] = ..., kl_loss_coef: _Optional[float] = ..., clip_ratio: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class UpdateHyperparamsResponse(_message.Message):
     __slots__ = ("applies_from_step", "values")

@@ -1,22 +1,27 @@
 """The live hyper-parameter table: every field's range, and messages that name the field."""
 
+import inspect
 import math
 
 import pytest
 
 from rlmesh.config import load_config
-from rlmesh.config.hparams import BY_KEY, HPARAMS, from_proto_values, problems
+from rlmesh.config.hparams import BY_KEY, HPARAMS, known_values, problems
+from rlmesh.learner.trainer import PPOTrainer
 from rlmesh.v1 import learner_pb2
 
 
 def test_every_field_is_one_of_the_learners():
-    # The REST names map onto UpdateHyperparamsRequest's fields, one to one; the learner answers
-    # by config key (the integration tests check both ends agree).
+    # One name per knob: the REST names are UpdateHyperparamsRequest's fields, one to one, and the
+    # trainer's update_hyperparams arguments; the learner answers by config key (the integration
+    # tests check both ends agree).
     fields = {f.name for f in learner_pb2.UpdateHyperparamsRequest.DESCRIPTOR.fields}
-    assert {h.proto for h in HPARAMS.values()} == fields
+    assert set(HPARAMS) == fields
+    arguments = set(inspect.signature(PPOTrainer.update_hyperparams).parameters) - {"self"}
+    assert arguments == set(HPARAMS) - {"top_p"}  # top_p only changes how prompts are sampled
     for h in HPARAMS.values():
         assert BY_KEY[h.key] is h
-    assert from_proto_values({"lr": 1e-3, "kl_coef": 0.1, "unknown": 1}) == {"actor_lr": 1e-3, "kl_coef": 0.1}
+    assert known_values({"actor_lr": 1e-3, "kl_coef": 0.1, "lr": 1}) == {"actor_lr": 1e-3, "kl_coef": 0.1}
 
 
 def test_every_config_key_exists_and_its_default_is_in_range():

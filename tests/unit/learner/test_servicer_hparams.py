@@ -48,10 +48,10 @@ async def test_a_value_outside_the_control_planes_range_is_refused(learner, h):
     loop, stub = learner
     for value in [*past_the_ends(h), float("nan"), float("inf")]:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(**{h.proto: value}))
+            await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(**{h.name: value}))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = refused.value.details()
-        assert details.startswith(f"{h.proto}={value}: ") and range_text(h) in details and h.key in details
+        assert details.startswith(f"{h.name}={value}: ") and range_text(h) in details and h.key in details
     assert loop.state.pending_hparams == {}
 
 
@@ -59,14 +59,14 @@ async def test_values_at_the_ends_are_taken(learner):
     loop, stub = learner
     for h in HPARAMS.values():
         for value in (h.high, *([] if h.low_open else [h.low])):
-            answer = await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(**{h.proto: value}))
+            answer = await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(**{h.name: value}))
             assert answer.values[h.key] == value
-            assert loop.state.pending_hparams[h.proto] == value
+            assert loop.state.pending_hparams[h.name] == value
 
 
 async def test_one_bad_field_refuses_the_whole_request(learner):
     loop, stub = learner
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(kl_coef=0.1, lr=1e9))
-    assert refused.value.details().startswith("lr=1000000000.0: must be a finite number in (0, 1]")
+        await stub.UpdateHyperparams(learner_pb2.UpdateHyperparamsRequest(kl_coef=0.1, actor_lr=1e9))
+    assert refused.value.details().startswith("actor_lr=1000000000.0: must be a finite number in (0, 1]")
     assert loop.state.pending_hparams == {}
