@@ -4,6 +4,7 @@ checkpoint cases that tests and the programs they start both run."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -273,3 +274,26 @@ async def serve_rollout(servicer: Any) -> AsyncIterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
+
+
+def first_step_gradient(actor: Any, *update_args: Any) -> dict[str, torch.Tensor]:
+    """The gradient the first optimizer step of ``actor.update_policy(*update_args)`` applies (its
+    first mini-batch's), read as the optimizer steps; the weights, optimizer and lr schedule are
+    put back after, so the next call starts from the same ones."""
+    module, optimizer, scheduler = actor.engine.module, actor.engine.optimizer, actor.scheduler
+    saved = copy.deepcopy((module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep_first(*_: object) -> None:
+        if not grads:
+            grads.update({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+
+    handle = optimizer.register_step_pre_hook(keep_first)
+    try:
+        actor.update_policy(*update_args)
+    finally:
+        handle.remove()
+        module.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        scheduler.load_state_dict(saved[2])
+    return grads

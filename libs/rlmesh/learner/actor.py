@@ -4,7 +4,6 @@ policy loss ``policy_loss.loss_mode`` selects (rlmesh.algo.losses' registry)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -15,17 +14,15 @@ from rlmesh.algo import agg_loss, get_policy_loss_fn, kl_penalty, policy_loss_in
 from rlmesh.config import ActorConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, actor_forward, require_packable, rows_of
+from rlmesh.learner.forward import MicroBatch, actor_forward, rows_of, slice_micro_batch
 from rlmesh.learner.parallel import (
     MetricSums,
     forward_without_grad,
     global_loss_scale,
     micro_batch_plan,
     mini_batch_counts,
-    step_scheduler,
-    train_micro_batches,
-    update_epochs,
 )
+from rlmesh.learner.ppo_worker import PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOActor", "policy_loss_kwargs"]
 
@@ -98,7 +95,7 @@ def _mean_over_mini_batches(
     return out
 
 
-class DeepSpeedPPOActor:
+class DeepSpeedPPOActor(PPOWorker):
     """Args:
     engine: the actor's DeepSpeed engine.
     scheduler: its lr scheduler (stepped once per :meth:`update_policy`).
@@ -129,26 +126,27 @@ class DeepSpeedPPOActor:
         share_prompts: bool = True,
         balance_batch: bool = True,
     ) -> None:
-        self.engine = engine
-        self.balance_batch = balance_batch
-        self.scheduler = scheduler
-        self.config = config
-        self.rollout_n = rollout_n
+        # Resolved from actor_rollout_ref.model.use_remove_padding and data.use_sequence_packing.
+        super().__init__(
+            engine,
+            scheduler,
+            config,
+            name="actor",
+            rollout_n=rollout_n,
+            norm_len=norm_len,
+            seed=seed,
+            device=device,
+            share_prompts=share_prompts,
+            balance_batch=balance_batch,
+            pack=bool(config.use_remove_padding),
+            pack_key="actor_rollout_ref.model.use_remove_padding",
+        )
         self.temperature = temperature
-        self.norm_len = norm_len
-        self.seed = seed
-        self.device = device
         self.entropy_coeff = float(config.entropy_coeff)
         self.kl_loss_coef = float(config.kl_loss_coef)
-        self.skipped_steps = 0
-        self.share_prompts = share_prompts
         # clip_cov's random token choice: reseeded from (seed, step) by every update, so a run
         # and its resume choose the same tokens.
         self.loss_generator = torch.Generator()
-        # Resolved from actor_rollout_ref.model.use_remove_padding and data.use_sequence_packing.
-        self.pack = bool(config.use_remove_padding)
-        if self.pack:
-            require_packable(engine, "actor_rollout_ref.model.use_remove_padding")
 
     def compute_log_prob(
         self,
@@ -179,105 +177,6 @@ class DeepSpeedPPOActor:
         mask = batch.response_mask.bool()
         return log_probs * mask, entropy * mask
 
-    def mini_batch_backward(
-        self,
-        batch: PPOBatch,
-        rows: list[int],
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        rollout_is_weights: torch.Tensor | None,
-        on_policy: bool,
-        sums: MetricSums,
-        mini_batch: int = 0,
-    ) -> bool:
-        """Forward/backward of this rank's micro-batches of one global mini-batch ``rows`` (no
-        optimizer step); gradients accumulate in the engine.
-
-        Per micro-batch, with :math:`s` the global scale (:func:`global_loss_scale`) of
-        ``loss_agg_mode`` and :math:`s_{pg}` that of the aggregation the policy loss uses (the
-        same but for sapo and geo_mean, which always average over sequences):
-
-        .. math:: \\mathcal{L} = s_{pg}\\,\\mathcal{L}_{pg} + s\\,\\big(- c_H\\,\\mathrm{agg}(H)
-                  + c_{KL}\\,\\mathrm{agg}(\\mathrm{KL}(\\pi_\\theta \\| \\pi_{ref}))\\big)
-
-        The policy loss's metrics go into ``sums`` per micro-batch under
-        ``_mini_batch_key(key, mini_batch)``, with the count of this rank's real
-        micro-batches (a rank's dummy ones count for nothing).
-
-        Returns:
-            True when a micro-batch loss was not finite; its backward then runs on NaN so every
-            rank's averaged gradient is NaN and the optimizer step is skipped everywhere.
-        """
-        cfg = self.config
-        mode = cfg.loss_agg_mode
-        policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
-        info = policy_loss_info(cfg.policy_loss.loss_mode)
-        pg_mode = info.loss_agg_mode or mode
-        knobs = policy_loss_kwargs(cfg, self.loss_generator)
-        dp = world_size()
-        n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        # verl: entropy in the update (and actor/entropy_loss) when asked for or in the loss
-        calculate_entropy = bool(cfg.calculate_entropy) or self.entropy_coeff != 0
-        # Every rank reduces the same keys, even one that only ran dummy micro-batches.
-        keys = ["actor/pg_loss", *(_mini_batch_key(k, mini_batch) for k in (*info.metrics, _MICRO_BATCHES))]
-        if calculate_entropy:
-            keys.append("actor/entropy_loss")
-        if cfg.use_kl_loss:
-            keys.append("actor/kl_loss")
-        for key in keys:
-            sums.add(key, 0.0)
-        nonfinite = False
-
-        def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return actor_forward(
-                self.engine, mb, self.temperature, calculate_entropy, self.share_prompts, self.pack
-            )
-
-        for micro in train_micro_batches(
-            self.engine, batch, rows, cfg, self.device, forward, self.balance_batch
-        ):
-            micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
-            log_prob, entropy = micro.outputs
-            # verl: with one mini-batch and one epoch the data is exactly on-policy; the ratio is
-            # then taken against the detached current log-prob (equal in value).
-            old = log_prob.detach() if on_policy else rows_of(old_log_probs, micro_rows, w, self.device)
-            weights = None
-            if rollout_is_weights is not None:
-                weights = rows_of(rollout_is_weights, micro_rows, w, self.device)
-            pg_loss, pg_metrics = policy_loss_fn(
-                old,
-                log_prob,
-                rows_of(advantages, micro_rows, w, self.device),
-                mask,
-                loss_agg_mode=mode,
-                rollout_is_weights=weights,
-                **knobs,
-            )
-            scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
-            # Each term times the scale of its own aggregation (sapo's and geo_mean's differ).
-            pg_scale = global_loss_scale(mask, pg_mode, n_tokens, n_seqs, dp, self.norm_len)
-            loss = pg_loss * pg_scale
-            if calculate_entropy:
-                entropy_loss = agg_loss(entropy, mask, mode)
-                if self.entropy_coeff != 0:  # only logged otherwise (calculate_entropy)
-                    loss = loss - self.entropy_coeff * entropy_loss * scale
-                sums.add("actor/entropy_loss", entropy_loss.item() * scale / dp)
-            if cfg.use_kl_loss:
-                assert batch.ref_log_probs is not None
-                ref = rows_of(batch.ref_log_probs, micro_rows, w, self.device)
-                kl_loss = agg_loss(kl_penalty(log_prob, ref, cfg.kl_loss_type), mask, mode)
-                loss = loss + self.kl_loss_coef * kl_loss * scale
-                sums.add("actor/kl_loss", kl_loss.item() * scale / dp)
-            if not torch.isfinite(loss):
-                nonfinite = True
-                loss = log_prob.sum() * float("nan")
-            self.engine.backward(loss, scale_wrt_gas=False)
-            sums.add("actor/pg_loss", pg_loss.item() * pg_scale / dp)
-            for key in info.metrics:  # each micro-batch's own value (its token mean)
-                sums.add(_mini_batch_key(key, mini_batch), pg_metrics[key].item())
-            sums.add(_mini_batch_key(_MICRO_BATCHES, mini_batch), 1.0)
-        return nonfinite
-
     def update_policy(
         self,
         batch: PPOBatch,
@@ -289,6 +188,15 @@ class DeepSpeedPPOActor:
         """``ppo_epochs`` over mini-batches of ``ppo_mini_batch_size * n`` samples, one optimizer
         step each, then one lr-scheduler step.
 
+        Per micro-batch, with :math:`s` the global scale (:func:`global_loss_scale`) of
+        ``loss_agg_mode`` and :math:`s_{pg}` that of the aggregation the policy loss uses (the
+        same but for sapo and geo_mean, which always average over sequences):
+
+        .. math:: \\mathcal{L} = s_{pg}\\,\\mathcal{L}_{pg} + s\\,\\big(- c_H\\,\\mathrm{agg}(H)
+                  + c_{KL}\\,\\mathrm{agg}(\\mathrm{KL}(\\pi_\\theta \\| \\pi_{ref}))\\big)
+
+        A non-finite loss on any rank skips that mini-batch's optimizer step on every rank.
+
         Metrics: losses are the global mini-batch losses averaged over the optimizer steps;
         the policy loss's own metrics (clip fractions and ppo_kl, as verl defines them for the
         loss mode; none for gpg) are, as verl 0.9.1 reduces them, each micro-batch's value
@@ -298,30 +206,90 @@ class DeepSpeedPPOActor:
         (before clipping); lr is the one used.
         """
         cfg = self.config
+        mode = cfg.loss_agg_mode
+        policy_loss_fn = get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        info = policy_loss_info(cfg.policy_loss.loss_mode)
+        pg_mode = info.loss_agg_mode or mode
         self.loss_generator.manual_seed(self.seed * 1_000_003 + step)
+        knobs = policy_loss_kwargs(cfg, self.loss_generator)
+        # verl: entropy in the update (and actor/entropy_loss) when asked for or in the loss
+        calculate_entropy = bool(cfg.calculate_entropy) or self.entropy_coeff != 0
+        # verl: with one mini-batch and one epoch the data is exactly on-policy; the ratio is
+        # then taken against the detached current log-prob (equal in value).
         mini_size = cfg.ppo_mini_batch_size * self.rollout_n
         on_policy = math.ceil(len(batch) / mini_size) == 1 and cfg.ppo_epochs == 1
+        dp = world_size()
         lr = self.scheduler.get_last_lr()[0]
-        sums = MetricSums()
-        mini_batch = itertools.count()  # the mini-batch's index in the update, epochs included
-        stats = update_epochs(
-            self,
-            "actor",
-            len(batch),
-            mini_size,
-            step,
-            lambda rows: self.mini_batch_backward(
-                batch, rows, old_log_probs, advantages, rollout_is_weights, on_policy, sums, next(mini_batch)
-            ),
-        )
+        sums, stats = MetricSums(), UpdateStats()
+        self.engine.train()
+        for epoch in range(int(cfg.ppo_epochs)):
+            for rows in self.mini_batches(len(batch), step, epoch):
+                j = stats.steps  # the mini-batch's index in the update, epochs included
+                n_tokens, n_seqs = mini_batch_counts(batch, rows)
+                # Every rank reduces the same keys, even one that only runs dummy micro-batches.
+                keys = ["actor/pg_loss", *(_mini_batch_key(k, j) for k in (*info.metrics, _MICRO_BATCHES))]
+                if calculate_entropy:
+                    keys.append("actor/entropy_loss")
+                if cfg.use_kl_loss:
+                    keys.append("actor/kl_loss")
+                for key in keys:
+                    sums.add(key, 0.0)
+                nonfinite = False
+                plan = self.micro_batches(batch, rows)
+                for i, micro_rows in enumerate(plan):
+                    # DeepSpeed reduces the accumulated gradients over the ranks in the last backward.
+                    self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                    mb = slice_micro_batch(batch, micro_rows or rows[:1], self.device)
+                    log_prob, entropy = actor_forward(
+                        self.engine, mb, self.temperature, calculate_entropy, self.share_prompts, self.pack
+                    )
+                    if not micro_rows:  # this rank has fewer micro-batches than another
+                        self.dummy_backward(log_prob)
+                        continue
+                    w = mb.response_width
+                    mask = rows_of(batch.response_mask, micro_rows, w, self.device)
+                    old = (
+                        log_prob.detach() if on_policy else rows_of(old_log_probs, micro_rows, w, self.device)
+                    )
+                    weights = None
+                    if rollout_is_weights is not None:
+                        weights = rows_of(rollout_is_weights, micro_rows, w, self.device)
+                    pg_loss, pg_metrics = policy_loss_fn(
+                        old,
+                        log_prob,
+                        rows_of(advantages, micro_rows, w, self.device),
+                        mask,
+                        loss_agg_mode=mode,
+                        rollout_is_weights=weights,
+                        **knobs,
+                    )
+                    scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
+                    # Each term times the scale of its own aggregation (sapo's and geo_mean's differ).
+                    pg_scale = global_loss_scale(mask, pg_mode, n_tokens, n_seqs, dp, self.norm_len)
+                    loss = pg_loss * pg_scale
+                    if calculate_entropy:
+                        entropy_loss = agg_loss(entropy, mask, mode)
+                        if self.entropy_coeff != 0:  # only logged otherwise (calculate_entropy)
+                            loss = loss - self.entropy_coeff * entropy_loss * scale
+                        sums.add("actor/entropy_loss", entropy_loss.item() * scale / dp)
+                    if cfg.use_kl_loss:
+                        assert batch.ref_log_probs is not None
+                        ref = rows_of(batch.ref_log_probs, micro_rows, w, self.device)
+                        kl_loss = agg_loss(kl_penalty(log_prob, ref, cfg.kl_loss_type), mask, mode)
+                        loss = loss + self.kl_loss_coef * kl_loss * scale
+                        sums.add("actor/kl_loss", kl_loss.item() * scale / dp)
+                    nonfinite |= self.backward(loss, log_prob)
+                    sums.add("actor/pg_loss", pg_loss.item() * pg_scale / dp)
+                    for key in info.metrics:  # each micro-batch's own value (its token mean)
+                        sums.add(_mini_batch_key(key, j), pg_metrics[key].item())
+                    sums.add(_mini_batch_key(_MICRO_BATCHES, j), 1.0)
+                self.optimizer_step(stats, nonfinite, step)
         step_scheduler(self.scheduler)  # once per PPO step, as verl's update_actor
         totals = sums.reduced()
         metrics = {
             "actor/pg_loss": totals.get("actor/pg_loss", 0.0) / stats.steps,
             "actor/kl_loss": totals.get("actor/kl_loss", 0.0) / stats.steps,
-            **_mean_over_mini_batches(
-                totals, policy_loss_info(cfg.policy_loss.loss_mode).metrics, stats.steps
-            ),
+            **_mean_over_mini_batches(totals, info.metrics, stats.steps),
             "actor/grad_norm": stats.grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(stats.skipped),

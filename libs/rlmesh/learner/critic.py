@@ -11,22 +11,20 @@ from rlmesh.algo import compute_value_loss, masked_mean
 from rlmesh.config import CriticConfig
 from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, critic_forward, require_packable, rows_of
+from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of, slice_micro_batch
 from rlmesh.learner.parallel import (
     MetricSums,
     forward_without_grad,
     global_loss_scale,
     micro_batch_plan,
     mini_batch_counts,
-    step_scheduler,
-    train_micro_batches,
-    update_epochs,
 )
+from rlmesh.learner.ppo_worker import PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOCritic"]
 
 
-class DeepSpeedPPOCritic:
+class DeepSpeedPPOCritic(PPOWorker):
     """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
     the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device, and
     ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s). Its micro-batches
@@ -45,20 +43,21 @@ class DeepSpeedPPOCritic:
         share_prompts: bool = True,
         balance_batch: bool = True,
     ) -> None:
-        self.engine = engine
-        self.balance_batch = balance_batch
-        self.scheduler = scheduler
-        self.config = config
-        self.rollout_n = rollout_n
-        self.norm_len = norm_len
-        self.seed = seed
-        self.device = device
-        self.skipped_steps = 0
-        self.share_prompts = share_prompts
         # critic.model.use_remove_padding, set by data.use_sequence_packing too.
-        self.pack = bool(config.model.use_remove_padding)
-        if self.pack:
-            require_packable(engine, "critic.model.use_remove_padding")
+        super().__init__(
+            engine,
+            scheduler,
+            config,
+            name="critic",
+            rollout_n=rollout_n,
+            norm_len=norm_len,
+            seed=seed,
+            device=device,
+            share_prompts=share_prompts,
+            balance_batch=balance_batch,
+            pack=bool(config.model.use_remove_padding),
+            pack_key="critic.model.use_remove_padding",
+        )
 
     def compute_values(self, batch: PPOBatch) -> torch.Tensor:
         """Values ``(bs, R)``, zero past each response (as verl), no grad; micro-batches of
@@ -79,54 +78,14 @@ class DeepSpeedPPOCritic:
         (values,) = forward_without_grad(self.engine, batch, fn, 1, plan, self.device)
         return values * batch.response_mask
 
-    def mini_batch_backward(
-        self, batch: PPOBatch, rows: list[int], values: torch.Tensor, returns: torch.Tensor, sums: MetricSums
-    ) -> bool:
-        """Forward/backward of this rank's micro-batches of the global mini-batch ``rows``:
-        ``s · compute_value_loss(...)`` each (clipped value loss, :func:`global_loss_scale`).
-        ``critic/vf_clipfrac`` and ``critic/vpred_mean`` go into ``sums`` once per real
-        micro-batch (its token mean), counted under ``_micro_batches``.
-        Returns True when a loss was not finite (the step is then skipped on every rank)."""
-        cfg = self.config
-        mode = cfg.loss_agg_mode
-        dp = world_size()
-        n_tokens, n_seqs = mini_batch_counts(batch, rows)
-        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_micro_batches"):
-            sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
-        nonfinite = False
-
-        def forward(mb: MicroBatch) -> tuple[torch.Tensor]:
-            return (critic_forward(self.engine, mb, self.share_prompts, self.pack),)
-
-        for micro in train_micro_batches(
-            self.engine, batch, rows, cfg, self.device, forward, self.balance_batch
-        ):
-            micro_rows, mask, w = micro.rows, micro.mask, micro.mb.response_width
-            (vpreds,) = micro.outputs
-            vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds,
-                rows_of(returns, micro_rows, w, self.device),
-                rows_of(values, micro_rows, w, self.device),
-                mask,
-                cliprange_value=cfg.cliprange_value,
-                loss_agg_mode=mode,
-            )
-            scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
-            loss = vf_loss * scale
-            if not torch.isfinite(loss):
-                nonfinite = True
-                loss = vpreds.sum() * float("nan")
-            self.engine.backward(loss, scale_wrt_gas=False)
-            sums.add("critic/vf_loss", vf_loss.item() * scale / dp)
-            sums.add("critic/vf_clipfrac", vf_clipfrac.item())
-            sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item())
-            sums.add("_micro_batches", 1.0)
-        return nonfinite
-
     def update_critic(
         self, batch: PPOBatch, values: torch.Tensor, returns: torch.Tensor, step: int
     ) -> dict[str, float]:
         """``critic.ppo_epochs`` over mini-batches, one optimizer step each, one lr-scheduler step.
+
+        Per micro-batch the loss is ``s · compute_value_loss(...)`` (the clipped value loss, ``s`` its
+        global scale, :func:`global_loss_scale`). A non-finite loss on any rank skips that
+        mini-batch's optimizer step on every rank.
 
         Metrics: ``critic/vf_loss`` is the global mini-batch loss averaged over the optimizer
         steps; ``critic/vf_clipfrac`` and ``critic/vpred_mean`` are, as verl 0.9.1 reduces them,
@@ -134,17 +93,43 @@ class DeepSpeedPPOCritic:
         one's token mean; grad_norm and lr as the actor's.
         """
         cfg = self.config
-        mini_size = int(cfg.ppo_mini_batch_size) * self.rollout_n
+        mode = cfg.loss_agg_mode
+        dp = world_size()
         lr = self.scheduler.get_last_lr()[0]
-        sums = MetricSums()
-        stats = update_epochs(
-            self,
-            "critic",
-            len(batch),
-            mini_size,
-            step,
-            lambda rows: self.mini_batch_backward(batch, rows, values, returns, sums),
-        )
+        sums, stats = MetricSums(), UpdateStats()
+        self.engine.train()
+        for epoch in range(int(cfg.ppo_epochs)):
+            for rows in self.mini_batches(len(batch), step, epoch):
+                n_tokens, n_seqs = mini_batch_counts(batch, rows)
+                for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_micro_batches"):
+                    sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
+                nonfinite = False
+                plan = self.micro_batches(batch, rows)
+                for i, micro_rows in enumerate(plan):
+                    # DeepSpeed reduces the accumulated gradients over the ranks in the last backward.
+                    self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                    mb = slice_micro_batch(batch, micro_rows or rows[:1], self.device)
+                    vpreds = critic_forward(self.engine, mb, self.share_prompts, self.pack)
+                    if not micro_rows:  # this rank has fewer micro-batches than another
+                        self.dummy_backward(vpreds)
+                        continue
+                    w = mb.response_width
+                    mask = rows_of(batch.response_mask, micro_rows, w, self.device)
+                    vf_loss, vf_clipfrac = compute_value_loss(
+                        vpreds,
+                        rows_of(returns, micro_rows, w, self.device),
+                        rows_of(values, micro_rows, w, self.device),
+                        mask,
+                        cliprange_value=cfg.cliprange_value,
+                        loss_agg_mode=mode,
+                    )
+                    scale = global_loss_scale(mask, mode, n_tokens, n_seqs, dp, self.norm_len)
+                    nonfinite |= self.backward(vf_loss * scale, vpreds)
+                    sums.add("critic/vf_loss", vf_loss.item() * scale / dp)
+                    sums.add("critic/vf_clipfrac", vf_clipfrac.item())
+                    sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item())
+                    sums.add("_micro_batches", 1.0)
+                self.optimizer_step(stats, nonfinite, step)
         step_scheduler(self.scheduler)
         totals = sums.reduced()
         micro_batches = max(totals.pop("_micro_batches", 0.0), 1.0)

@@ -9,28 +9,31 @@ from __future__ import annotations
 import torch
 
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.parallel import MetricSums
 from rlmesh.learner.partition import plan_micro_batches
-from tests.support.learner import PAD, make_config, make_trajectories, module_state
+from tests.support.learner import PAD, first_step_gradient, make_config, make_trajectories, module_state
 
 
 def _mini_batch_gradient(trainer: PPOTrainer, batch) -> dict[str, torch.Tensor]:
+    """The gradient of the whole batch as one mini-batch. Two epochs, so the first is off-policy:
+    the ratio is taken against the old log-probs given."""
+    actor, config = trainer.actor, trainer.actor.config
     old_log_probs, _ = trainer.compute_log_prob(batch)
     advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
-    trainer.actor.mini_batch_backward(
-        batch, list(range(len(batch))), old_log_probs, advantages, None, on_policy=False, sums=MetricSums()
-    )
-    grads = {n: p.grad.detach().clone() for n, p in trainer.actor.engine.module.named_parameters()}
-    trainer.actor.engine.zero_grad()
-    return grads
+    one_mini_batch = len(batch) // actor.rollout_n
+    actor.config = config.model_copy(update={"ppo_mini_batch_size": one_mini_batch, "ppo_epochs": 2})
+    try:
+        return first_step_gradient(actor, batch, old_log_probs, advantages, None, 1)
+    finally:
+        actor.config = config
 
 
 def test_dynamic_bsz_gradient_equals_fixed_micro_batches(tiny_model_dir):
     batch = build_batch(make_trajectories(n_prompts=4, n=2, seed=8), PAD)
     lengths = batch.attention_mask.sum(dim=1)
     budget = int(lengths.max()) + 4  # several micro-batches of uneven row counts
+    no_clip = "actor_rollout_ref.actor.grad_clip=0"  # the optimizer sees the accumulated gradient itself
     fixed = PPOTrainer(make_config(tiny_model_dir, "actor_rollout_ref.actor.use_kl_loss=true",
-                                   "actor_rollout_ref.actor.entropy_coeff=0.01"), total_training_steps=10)  # fmt: skip
+                                   "actor_rollout_ref.actor.entropy_coeff=0.01", no_clip), total_training_steps=10)  # fmt: skip
     dynamic = PPOTrainer(
         make_config(
             tiny_model_dir,
@@ -40,6 +43,7 @@ def test_dynamic_bsz_gradient_equals_fixed_micro_batches(tiny_model_dir):
             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
             "data.max_prompt_length=4",  # the config check wants one whole sequence to fit the budget
             "data.max_response_length=4",
+            no_clip,
         ),
         total_training_steps=10,
     )

@@ -15,8 +15,7 @@ import torch
 
 from rlmesh.algo import PG_METRICS, POLICY_LOSS_REGISTRY, policy_loss_info
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.parallel import MetricSums
-from tests.support.learner import PAD, make_config, make_trajectories
+from tests.support.learner import PAD, first_step_gradient, make_config, make_trajectories
 
 # clip_cov and kl_cov choose their tokens among each micro-batch's (as verl's): a split changes them.
 SPLIT_INVARIANT = sorted(set(POLICY_LOSS_REGISTRY) - {"clip_cov", "kl_cov"})
@@ -31,6 +30,7 @@ def trainer(tiny_model_dir):
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={SAMPLES // 2}",  # one mini-batch
+        "actor_rollout_ref.actor.grad_clip=0",  # the optimizer sees the accumulated gradient itself
     )
     return PPOTrainer(cfg, total_training_steps=100)
 
@@ -43,14 +43,12 @@ def use_mode(trainer: PPOTrainer, mode: str, **actor: object) -> None:
 
 
 def gradient(trainer: PPOTrainer, batch, inputs, micro: int) -> dict[str, torch.Tensor]:
-    use_mode(trainer, trainer.actor.config.policy_loss.loss_mode, ppo_micro_batch_size_per_gpu=micro)
+    """The gradient of the whole batch as one mini-batch, in micro-batches of ``micro`` samples.
+    Two epochs, so the first is off-policy: the ratio is taken against ``inputs``' old log-probs."""
+    mode = trainer.actor.config.policy_loss.loss_mode
+    use_mode(trainer, mode, ppo_micro_batch_size_per_gpu=micro, ppo_epochs=2)
     old, advantages, weights = inputs
-    trainer.actor.mini_batch_backward(
-        batch, list(range(len(batch))), old, advantages, weights, on_policy=False, sums=MetricSums()
-    )
-    grads = {n: p.grad.detach().clone() for n, p in trainer.actor.engine.module.named_parameters()}
-    trainer.actor.engine.zero_grad()
-    return grads
+    return first_step_gradient(trainer.actor, batch, old, advantages, weights, 1)
 
 
 @pytest.mark.parametrize("mode", SPLIT_INVARIANT)
