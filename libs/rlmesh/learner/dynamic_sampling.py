@@ -11,7 +11,7 @@ import numpy as np
 
 from rlmesh.config.sections import SEQUENCE_REWARD_METRICS
 from rlmesh.learner.feeder import PromptFeeder
-from rlmesh.queue import retry_forever
+from rlmesh.queue import retry_redis_with_deadline
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
 
@@ -103,7 +103,7 @@ async def draw_in_place(
             continue
         gen_batches.draw_for_dropped(step)
         drawn.append(
-            await retry_forever(
+            await retry_redis_with_deadline(
                 lambda gid=gid: feeder.replace(gid, version), "draw a prompt in place of a dropped group"
             )
         )

@@ -46,7 +46,7 @@ from rlmesh.queue import (
     TrajectoryCollector,
     connect,
     prompt_queue,
-    retry_forever,
+    retry_redis_with_deadline,
     trajectory_queue,
 )
 from rlmesh.queue.connection import TRANSIENT_ERRORS
@@ -310,7 +310,7 @@ class TrainingLoop:
             verify_tensors=ws.verify_tensors,
         )
         self.reward = RewardClient.from_config(cfg, redis=redis)
-        await retry_forever(
+        await retry_redis_with_deadline(
             lambda: publish_config(redis, self.keys, dump_public_yaml(cfg)), "publish the config"
         )
 
@@ -357,7 +357,9 @@ class TrainingLoop:
     async def _live_engines(self) -> list[trajectory_pb2.ReplicaRegistration]:
         """Live replicas from the registry; the pusher targets exactly their engines."""
         live = [
-            r for r in await retry_forever(self.replicas.live, "read the replicas") if r.state != "draining"
+            r
+            for r in await retry_redis_with_deadline(self.replicas.live, "read the replicas")
+            if r.state != "draining"
         ]
         self.state.live_replicas = len(live)
         timeout = self.cfg.rlmesh.weight_sync.timeout_s
@@ -419,7 +421,7 @@ class TrainingLoop:
             }
         for name, why in failed.items():
             log.error("replica %s dropped from the push of v%d: %s", name, version, why)
-        await retry_forever(
+        await retry_redis_with_deadline(
             lambda: publish_policy(self._redis, self.keys, version, path), "publish the policy"
         )
         return time.monotonic() - t0
@@ -668,7 +670,7 @@ class TrainingLoop:
             raise RuntimeError(f"another learner took over run {self.keys.run_id}: this one stops")
         t_step = time.monotonic()
         st.phase = "WAITING_FOR_ROLLOUTS"
-        await retry_forever(
+        await retry_redis_with_deadline(
             lambda: self.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness), "enqueue prompts"
         )
         t0 = time.monotonic()
@@ -701,7 +703,9 @@ class TrainingLoop:
         ) or st.checkpoint_requests:
             await self._checkpoint(step)
         expired = self.used_window.popleft() if len(self.used_window) > cfg.rlmesh.max_staleness + 1 else []
-        await retry_forever(lambda: self.collector.commit(collected, forget_uids=expired), "commit the step")
+        await retry_redis_with_deadline(
+            lambda: self.collector.commit(collected, forget_uids=expired), "commit the step"
+        )
         self.used_window.append(list(collected.uids))
         self.feeder.forget_before(step)
         response_tokens = sum(len(t.response_ids) for t in collected.trajectories)

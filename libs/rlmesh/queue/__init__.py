@@ -6,7 +6,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from rlmesh.queue.connection import RedisAccessError, access_refusal, connect, retry_forever
+from rlmesh.queue.connection import RedisAccessError, access_refusal, connect, retry_redis_with_deadline
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.registry import ReplicaRegistry
 from rlmesh.queue.streams import Delivery, QueueFullError, QueueMetrics, StreamQueue
@@ -64,6 +64,6 @@ __all__ = [
     "access_refusal",
     "connect",
     "prompt_queue",
-    "retry_forever",
+    "retry_redis_with_deadline",
     "trajectory_queue",
 ]

@@ -4,17 +4,22 @@ docs/reliability.md#redis-connection"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, BusyLoadingError, ConnectionError, TimeoutError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from rlmesh.config.redis_url import redis_url_problem
 
@@ -90,20 +95,38 @@ def connect(url: str, *, retries: int = 10, socket_timeout_s: float | None = 30.
     )
 
 
-async def retry_forever(op: Callable[[], Awaitable[T]], what: str, deadline_s: float = 300.0) -> T:
-    """Runs ``op`` until it succeeds, backing off on transient Redis errors, up to ``deadline_s``."""
-    start = time.monotonic()
-    delay = 0.05
-    while True:
+async def retry_redis_with_deadline(
+    op: Callable[[], Awaitable[T]], what: str, deadline_s: float = 300.0
+) -> T:
+    """Runs ``op``, retrying transient Redis errors with a doubling backoff (0.05 s up to 2 s) until
+    ``deadline_s`` has passed since the first try: then ConnectionError. A refusal no retry gets
+    past (``access_refusal``) raises RedisAccessError at once."""
+
+    async def attempt() -> T:
         try:
             return await op()
         except TRANSIENT_ERRORS as e:
             refusal = access_refusal(e)
             if refusal:
                 raise RedisAccessError(f"{what}: {refusal}") from e
-            waited = time.monotonic() - start
-            if waited > deadline_s:
-                raise ConnectionError(f"{what}: Redis unreachable for {waited:.0f} s: {e}") from e
-            log.warning("%s: Redis unavailable (%s); retrying in %.2f s", what, e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            raise
+
+    def log_retry(state: RetryCallState) -> None:
+        assert state.outcome is not None and state.next_action is not None
+        error = state.outcome.exception()
+        log.warning("%s: Redis unavailable (%s); retrying in %.2f s", what, error, state.next_action.sleep)
+
+    def give_up(state: RetryCallState) -> NoReturn:
+        assert state.outcome is not None
+        error = state.outcome.exception()
+        waited = state.seconds_since_start or 0.0
+        raise ConnectionError(f"{what}: Redis unreachable for {waited:.0f} s: {error}") from error
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(TRANSIENT_ERRORS),
+        wait=wait_exponential(multiplier=0.05, max=2.0),
+        stop=stop_after_delay(deadline_s),
+        before_sleep=log_retry,
+        retry_error_callback=give_up,
+    )
+    return await retrying(attempt)

@@ -15,13 +15,11 @@ from rlmesh.algo import logprobs_from_logits
 from rlmesh.algo.packing import attention_mask_problem, pack_units
 from rlmesh.reference.batching import plan_micro_batches
 from rlmesh.runtime.busy import BusyTracker
+from rlmesh.runtime.devices import default_device, default_dtype
+from rlmesh.runtime.invalid_request import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_MAX_BATCH_SIZE = 1024
-
-
-class InvalidRequestError(ValueError):
-    """The batch itself is malformed (gRPC INVALID_ARGUMENT); the message says what is wrong."""
 
 
 class Cancelled(RuntimeError):
@@ -165,14 +163,6 @@ def _packed_forward(
     return logits[row.to(device), index.to(device)], torch.tensor(
         [t for r in responses for t in r], dtype=torch.long
     )
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class ReferenceModel:

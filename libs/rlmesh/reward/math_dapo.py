@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlmesh.reward.math_reward import balanced_from
+from rlmesh.reward.math_reward import last_boxed_only_string, remove_boxed
 
 SUBSTITUTIONS = (
     ("an ", ""),
@@ -28,20 +28,6 @@ REMOVED_EXPRESSIONS = (
     "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
     r",\!", "{,}", '"', "\\dots",
 )  # fmt: skip
-
-
-def last_boxed_only_string(string: str) -> str | None:
-    idx = string.rfind("\\boxed{")
-    if idx < 0:
-        return None
-    return balanced_from(string, idx)
-
-
-def remove_boxed(s: str) -> str:
-    prefix = "\\boxed{"
-    if not s.startswith(prefix) or not s.endswith("}"):
-        raise ValueError(f"box error: {s}")
-    return s[len(prefix) : -1]
 
 
 def normalize_final_answer(final_answer: str) -> str:
@@ -72,10 +58,10 @@ def is_correct_minerva(
     match = re.findall(answer_pattern, solution_str)
     pred = normalize_final_answer(match[-1] if match else "[INVALID]")
     if gt_need_extract:
-        boxed = last_boxed_only_string(gt)
+        boxed = last_boxed_only_string(gt, braced_only=True)
         if boxed is None:
             raise ValueError(f"no boxed answer in the ground truth {gt!r}")
-        gt = normalize_final_answer(remove_boxed(boxed))
+        gt = normalize_final_answer(remove_boxed(boxed, braced_only=True))
     else:
         gt = normalize_final_answer(gt)
     return pred == gt, pred
@@ -90,8 +76,8 @@ def is_correct_strict_box(
         pred = pred[pause_tokens_index[-1] - 100 :]
     else:
         pred = pred[-100:]
-    boxed = last_boxed_only_string(pred)
-    extracted = remove_boxed(boxed) if boxed is not None else None
+    boxed = last_boxed_only_string(pred, braced_only=True)
+    extracted = remove_boxed(boxed, braced_only=True) if boxed is not None else None
     return (1 if extracted == gt else -1), extracted
 
 

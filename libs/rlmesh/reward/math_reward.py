@@ -26,9 +26,10 @@ def is_equiv(str1: str | None, str2: str | None) -> bool:
         return str1 == str2
 
 
-def remove_boxed(s: str) -> str:
-    """``\\boxed{x}`` → ``x`` and ``\\boxed x`` → ``x``; anything else is an error."""
-    if "\\boxed " in s:
+def remove_boxed(s: str, *, braced_only: bool = False) -> str:
+    """``\\boxed{x}`` → ``x`` and, unless ``braced_only``, ``\\boxed x`` → ``x``; anything else is an
+    error. ``braced_only``: DAPO's form (verl's ``math_dapo.py``), where only ``\\boxed{x}`` is a box."""
+    if not braced_only and "\\boxed " in s:
         prefix = "\\boxed "
         if not s.startswith(prefix):
             raise ValueError(f"not a boxed answer: {s!r}")
@@ -39,16 +40,18 @@ def remove_boxed(s: str) -> str:
     return s[len(prefix) : -1]
 
 
-def last_boxed_only_string(string: str) -> str | None:
-    """The last ``\\boxed{...}`` (braces balanced) or ``\\fbox{...}``, or ``\\boxed x`` up to a ``$``."""
-    if "\\boxed " in string:
+def last_boxed_only_string(string: str, *, braced_only: bool = False) -> str | None:
+    """The last ``\\boxed{...}`` (braces balanced) or ``\\fbox{...}``, or ``\\boxed x`` up to a ``$``
+    (Hendrycks MATH's forms). ``braced_only``: the last ``\\boxed{...}`` and nothing else (DAPO's)."""
+    if braced_only:
+        idx = string.rfind("\\boxed{")
+    elif "\\boxed " in string:
         return "\\boxed " + string.split("\\boxed ")[-1].split("$")[0]
-    idx = string.rfind("\\boxed")
-    if idx < 0:
-        idx = string.rfind("\\fbox")
+    else:
+        idx = string.rfind("\\boxed")
         if idx < 0:
-            return None
-    return balanced_from(string, idx)
+            idx = string.rfind("\\fbox")
+    return balanced_from(string, idx) if idx >= 0 else None
 
 
 def balanced_from(string: str, idx: int) -> str | None:

@@ -13,17 +13,10 @@ from transformers import AutoModelForSequenceClassification
 
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.runtime.devices import default_device, default_dtype
 
 if TYPE_CHECKING:
     from rlmesh.config import RewardModelConfig
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class RewardModelScorer:

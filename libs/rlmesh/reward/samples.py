@@ -8,13 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlmesh.runtime.invalid_request import InvalidRequestError
 from rlmesh.v1 import reward_pb2
 
 log = logging.getLogger("rlmesh.reward")
-
-
-class InvalidRequestError(ValueError):
-    """The batch itself is malformed (gRPC INVALID_ARGUMENT); the message says what is wrong."""
 
 
 def validate_batch(

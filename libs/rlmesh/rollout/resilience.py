@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 log = logging.getLogger("rlmesh.rollout")
 
@@ -99,34 +100,42 @@ async def call_until_ok(
 ) -> T:
     """Calls ``fn`` until it returns; errors ``retryable`` accepts back off (doubling, capped), others raise.
     While the breaker is open, waits for it; only one trial call passes when it half-opens."""
-    delay = backoff_s
-    while True:
-        if stop.is_set():
-            raise Stopped(f"{breaker.name}: stopped while retrying")
-        wait = breaker.wait_s()
-        if wait > 0:
-            await _sleep_or_stop(wait, stop)
-            continue
-        try:
-            if breaker.state == CircuitBreaker.HALF_OPEN:
-                async with breaker._trial:
-                    if breaker.state == CircuitBreaker.OPEN:
-                        continue
-                    result = await fn()
-            else:
-                result = await fn()
-        except Exception as e:
-            if not retryable(e):
-                raise
-            breaker.record_failure()
-            if on_retry:
-                on_retry(e)
-            log.warning("%s failed (%s); retrying in %.2f s", breaker.name, e, delay)
-            await _sleep_or_stop(delay, stop)
-            delay = min(delay * 2, max_backoff_s)
-            continue
-        breaker.record_success()
-        return result
+
+    async def attempt() -> T:
+        while True:
+            if stop.is_set():
+                raise Stopped(f"{breaker.name}: stopped while retrying")
+            wait = breaker.wait_s()
+            if wait > 0:  # waiting out an open breaker is not an attempt: the backoff stays
+                await _sleep_or_stop(wait, stop)
+                continue
+            if breaker.state != CircuitBreaker.HALF_OPEN:
+                return await fn()
+            async with breaker._trial:
+                if breaker.state != CircuitBreaker.OPEN:  # OPEN: the trial ahead of this one failed
+                    return await fn()
+
+    def worth_retrying(e: BaseException) -> bool:
+        return isinstance(e, Exception) and not isinstance(e, Stopped) and retryable(e)
+
+    def record_failure(state: RetryCallState) -> None:
+        assert state.outcome is not None and state.next_action is not None
+        e = state.outcome.exception()
+        assert e is not None
+        breaker.record_failure()
+        if on_retry:
+            on_retry(e)
+        log.warning("%s failed (%s); retrying in %.2f s", breaker.name, e, state.next_action.sleep)
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(worth_retrying),
+        wait=wait_exponential(multiplier=backoff_s, max=max_backoff_s),
+        sleep=lambda seconds: _sleep_or_stop(seconds, stop),
+        before_sleep=record_failure,
+    )
+    result = await retrying(attempt)
+    breaker.record_success()
+    return result
 
 
 async def _sleep_or_stop(seconds: float, stop: asyncio.Event) -> None:

@@ -13,12 +13,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_forever
+from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_redis_with_deadline
 from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
 from rlmesh.queue.signing import expose_untrusted
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
@@ -302,7 +303,7 @@ class SamplerLoop:
 
     # ----- the loop -----
     async def run(self) -> None:
-        await retry_forever(self.prompts.ensure_group, "create prompt group")
+        await retry_redis_with_deadline(self.prompts.ensure_group, "create prompt group")
         helpers = [asyncio.create_task(self._touch_forever())]
         if self.observed:  # the gauges are on a registry someone scrapes
             helpers.append(asyncio.create_task(self._observe_forever()))
@@ -390,7 +391,7 @@ class SamplerLoop:
             sampled = await self._sample_wave(deliveries, pending)
             await self._publish(sampled)
             acked = [d.entry_id for d, _ in sampled]
-            await retry_forever(lambda: self.prompts.ack(acked), f"ack {len(acked)} task(s)")
+            await retry_redis_with_deadline(lambda: self.prompts.ack(acked), f"ack {len(acked)} task(s)")
             for entry_id in acked:
                 pending.pop(entry_id)
         except (Stopped, asyncio.CancelledError):
@@ -421,7 +422,7 @@ class SamplerLoop:
         log.error("task %s failed; dead-lettering it: %s", task.uid, error)
         self.metrics.tasks.labels("failed").inc()
         reason = f"failed: {type(error).__name__}: {error}"[:2000]
-        await retry_forever(
+        await retry_redis_with_deadline(
             lambda: self.prompts.dead_letter_message(delivery.entry_id, task, reason, delivery.deliveries),
             f"dead-letter {task.uid}",
         )
@@ -442,18 +443,28 @@ class SamplerLoop:
 
     async def _put_waiting(self, trajs: list[Traj]) -> None:
         what = f"publish {len(trajs)} trajectories"
-        delay = self.settings.backoff_s
-        while True:
-            try:
-                await retry_forever(lambda: self.trajectories.put(trajs), what)
-                return
-            except QueueFullError as e:
-                if self._stop.is_set():
-                    raise Stopped() from e
-                self.metrics.retries.labels("trajectory_stream").inc()
-                log.warning("%s; waiting %.1f s for the learner to consume", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.max_backoff_s)
+
+        def log_full(state: RetryCallState) -> None:
+            assert state.outcome is not None and state.next_action is not None
+            self.metrics.retries.labels("trajectory_stream").inc()
+            log.warning(
+                "%s; waiting %.1f s for the learner to consume",
+                state.outcome.exception(),
+                state.next_action.sleep,
+            )
+
+        def stopped(state: RetryCallState) -> NoReturn:
+            assert state.outcome is not None
+            raise Stopped() from state.outcome.exception()
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(QueueFullError),
+            wait=wait_exponential(multiplier=self.settings.backoff_s, max=self.settings.max_backoff_s),
+            stop=lambda _: self._stop.is_set(),
+            before_sleep=log_full,
+            retry_error_callback=stopped,
+        )
+        await retrying(retry_redis_with_deadline, lambda: self.trajectories.put(trajs), what)
 
     async def _sample_wave(
         self,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from rlmesh.runtime.addresses import AddressSource, StaticAddresses
 from rlmesh.runtime.auth import client_auth_interceptors
@@ -87,9 +88,8 @@ class BalancedCaller:
         """``method`` of the service on the next address; see the module docstring."""
         timeout = timeout_s or self.timeout_s
         tried: list[str] = []
-        delay = self.backoff_s
-        last: grpc.aio.AioRpcError | None = None
-        for attempt in range(self.max_attempts):
+
+        async def attempt() -> Any:
             addresses = await self.source.addresses()
             if not addresses:
                 raise ServiceCallError(
@@ -103,25 +103,33 @@ class BalancedCaller:
             address = addresses[self._next % len(addresses)]
             self._next += 1
             tried.append(address)
-            try:
-                return await getattr(self._stub(address), method)(request, timeout=timeout)
-            except grpc.aio.AioRpcError as e:
-                last = e
-                if e.code() not in RETRYABLE or attempt == self.max_attempts - 1:
-                    break
-                log.warning(
-                    "%s.%s at %s failed with %s (%s); retrying on the next address in %.2f s",
-                    self.service,
-                    method,
-                    address,
-                    e.code().name,
-                    e.details(),
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.max_backoff_s)
-        assert last is not None
-        raise ServiceCallError(self.service, method, last.code(), last.details() or "", tried) from last
+            return await getattr(self._stub(address), method)(request, timeout=timeout)
+
+        def log_retry(state: RetryCallState) -> None:
+            assert state.outcome is not None and state.next_action is not None
+            e = state.outcome.exception()
+            assert isinstance(e, grpc.aio.AioRpcError)
+            log.warning(
+                "%s.%s at %s failed with %s (%s); retrying on the next address in %.2f s",
+                self.service,
+                method,
+                tried[-1],
+                e.code().name,
+                e.details(),
+                state.next_action.sleep,
+            )
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in RETRYABLE),
+            wait=wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+            stop=stop_after_attempt(self.max_attempts),
+            before_sleep=log_retry,
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except grpc.aio.AioRpcError as e:
+            raise ServiceCallError(self.service, method, e.code(), e.details() or "", tried) from e
 
     async def close(self) -> None:
         stubs, self._stubs = self._stubs, {}

@@ -5,7 +5,6 @@ shutdown and, when asked for, server reflection (behind the token like every met
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from rlmesh.runtime.auth import BearerTokenInterceptor
 from rlmesh.runtime.malformed import RefuseMalformedInterceptor
 from rlmesh.runtime.metrics import MetricsHttpServer, MetricsInterceptor, RpcMetrics
+from rlmesh.runtime.ready_file import write_ready_file
 from rlmesh.runtime.tls import TlsFiles, grpc_server_credentials
 
 log = logging.getLogger("rlmesh.runtime")
@@ -247,7 +247,17 @@ class GrpcService:
         for hook in self._start_hooks:
             await hook()
         if self.ready_file is not None:
-            self._write_ready_file()
+            write_ready_file(
+                self.ready_file,
+                {
+                    "name": self.name,
+                    "pid": os.getpid(),
+                    "grpc_address": self.address,
+                    "advertise_address": self.advertised_address,
+                    "grpc_port": self.port,
+                    "metrics_port": self.metrics_port,
+                },
+            )
 
     def _enable_reflection(self) -> None:
         # Off unless asked for: it lists every method and message, and it streams, so it is one
@@ -259,20 +269,6 @@ class GrpcService:
     @property
     def metrics_port(self) -> int | None:
         return self.metrics_server.port if self.metrics_server else None
-
-    def _write_ready_file(self) -> None:
-        assert self.ready_file is not None
-        info = {
-            "name": self.name,
-            "pid": os.getpid(),
-            "grpc_address": self.address,
-            "advertise_address": self.advertised_address,
-            "grpc_port": self.port,
-            "metrics_port": self.metrics_port,
-        }
-        tmp = self.ready_file.with_name(self.ready_file.name + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(self.ready_file)  # atomic: a reader never sees half a file
 
     async def stop(self) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, drain in-flight ones, run hooks."""

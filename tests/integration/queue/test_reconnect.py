@@ -2,9 +2,18 @@
 deliver nothing to the learner's batch twice."""
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, retry_forever, trajectory_queue
+from rlmesh.queue import (
+    RunKeys,
+    TrajectoryCollector,
+    connect,
+    prompt_queue,
+    retry_redis_with_deadline,
+    trajectory_queue,
+)
 from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.runtime.net import free_port
 from rlmesh.v1 import trajectory_pb2
 
 
@@ -47,8 +56,12 @@ async def test_redis_restart_loses_nothing_and_duplicates_nothing(tmp_path):
             launcher.start_redis(name="redis", port=server.port)  # same port, same data dir
 
             # The producer carries on after the restart; the learner finishes its batch.
-            await retry_forever(lambda: producer.put(trajs(6, 8)), "put after restart", deadline_s=30)
-            await retry_forever(lambda: collector.collect(batch, 8), "collect after restart", deadline_s=30)
+            await retry_redis_with_deadline(
+                lambda: producer.put(trajs(6, 8)), "put after restart", deadline_s=30
+            )
+            await retry_redis_with_deadline(
+                lambda: collector.collect(batch, 8), "collect after restart", deadline_s=30
+            )
             while len(batch.uids) < 8:
                 await collector.collect(batch, 8, block_ms=200)
             assert sorted(batch.uids) == sorted(f"g{i}/0" for i in range(8))
@@ -61,3 +74,20 @@ async def test_redis_restart_loses_nothing_and_duplicates_nothing(tmp_path):
             assert late.uids == [] and late.duplicates == 2
         finally:
             await redis.aclose()
+
+
+async def test_retries_against_a_redis_that_never_comes_back_give_up_at_the_deadline():
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", retries=0)  # nothing listens there
+    pings = 0
+
+    async def ping() -> bool:
+        nonlocal pings
+        pings += 1
+        return await client.ping()
+
+    try:
+        with pytest.raises(RedisConnectionError, match=r"^ping: Redis unreachable for \d+ s: "):
+            await retry_redis_with_deadline(ping, "ping", deadline_s=1)
+        assert pings > 1  # backed off and tried again before giving up
+    finally:
+        await client.aclose()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ConnectionError
 
-from rlmesh.queue import RedisAccessError, RunKeys, connect, prompt_queue, retry_forever
+from rlmesh.queue import RedisAccessError, RunKeys, connect, prompt_queue, retry_redis_with_deadline
 from rlmesh.runtime.launcher import RedisTLS
 from rlmesh.v1 import trajectory_pb2
 from tests.support.tls import make_tls_files
@@ -31,7 +31,7 @@ async def round_trip(url: str) -> None:
     try:
         keys = RunKeys(f"auth-{uuid.uuid4().hex[:8]}")
         learner, replica = prompt_queue(client, keys, "learner"), prompt_queue(client, keys, "replica-a")
-        await retry_forever(replica.ensure_group, "create prompt group")
+        await retry_redis_with_deadline(replica.ensure_group, "create prompt group")
         await learner.put([trajectory_pb2.PromptTask(uid="t0", group_uid="g0", n=1, prompt_ids=[1, 2])])
         [delivery] = await replica.claim(4)
         assert delivery.message.uid == "t0"
@@ -46,7 +46,7 @@ async def refusal(url: str) -> str:
     client = connect(url)
     try:
         with pytest.raises(RedisAccessError) as e:
-            await retry_forever(client.ping, "ping", deadline_s=60)
+            await retry_redis_with_deadline(client.ping, "ping", deadline_s=60)
     finally:
         await client.aclose()
     message = str(e.value)

@@ -104,6 +104,22 @@ def test_math_dapo_answer_lines():
     assert math_dapo.compute_score("x \\boxed{5}", "5", strict_box_verify=True)["acc"]
 
 
+def test_math_reads_every_box_form_and_dapo_only_braces_as_in_verl():
+    # verl's math_reward.py (Hendrycks MATH) finds `\boxed x` and `\fbox{x}` too; math_dapo.py only `\boxed{x}`.
+    assert math_reward.last_boxed_only_string("so \\fbox{5}") == "\\fbox{5}"
+    assert math_reward.last_boxed_only_string("so \\fbox{5}", braced_only=True) is None
+    assert math_reward.compute_score("so \\boxed 5$", "5") == 1.0
+    assert math_dapo.compute_score("so \\fbox{5}", "5", strict_box_verify=True)["pred"] is None
+    assert math_dapo.compute_score("so \\boxed 5", "5", strict_box_verify=True)["pred"] is None
+    text = "\\boxed{4} then \\boxed 5$"
+    assert math_reward.last_boxed_only_string(text) == "\\boxed 5"
+    assert math_reward.last_boxed_only_string(text, braced_only=True) == "\\boxed{4}"
+    assert math_reward.remove_boxed("\\boxed 5") == "5"
+    with pytest.raises(ValueError, match="not a boxed answer"):
+        math_reward.remove_boxed("\\boxed 5", braced_only=True)
+    assert math_dapo.is_correct_minerva("Answer: 7", "so \\boxed{7}", gt_need_extract=True) == (True, "7")
+
+
 ARITHMETIC_TABLE = [
     ("#### 33", "33", 1.0, True),
     ("#### 033", "33", 1.0, True),
