@@ -10,14 +10,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from rlmesh.engine.auth import OPEN_PATHS
+from rlmesh.runtime.http_auth import OPEN_PATHS
 
 STATIC = Path(__file__).parent / "static"
 PREFIX = "/dashboard"
 
 
 def open_paths() -> frozenset[str]:
-    """The exact paths the bearer token does not guard: the engines' (``/health``, ``/metrics``)
+    """The exact paths the bearer token does not guard: every HTTP service's (``/health``, ``/metrics``)
     and the page's files, each by name (no prefix: nothing added under it later opens by accident)."""
     files = {f"{PREFIX}/{p.relative_to(STATIC).as_posix()}" for p in STATIC.rglob("*") if p.is_file()}
     return OPEN_PATHS | {"/", PREFIX, f"{PREFIX}/", *files}

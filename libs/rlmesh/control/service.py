@@ -5,14 +5,12 @@ SIGTERM a graceful stop (requests under way finish). docs/control.md"""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import uvicorn
 
@@ -24,6 +22,7 @@ from rlmesh.runtime.http_guard import http_limits
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.metrics import MetricsHttpServer
 from rlmesh.runtime.net import OpenBindError, advertised_address, check_open_bind
+from rlmesh.runtime.ready_file import write_ready_file
 from rlmesh.runtime.tls import export_tls, tls_of, uvicorn_ssl
 
 log = logging.getLogger("rlmesh.control")
@@ -47,12 +46,6 @@ class Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
-
-
-def write_ready_file(path: str, info: dict[str, object]) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)  # atomic: a reader never sees half a file
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,35 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 
 from rlmesh.engine import routes_control, routes_generate, routes_weights
-from rlmesh.engine.auth import BearerTokenMiddleware
 from rlmesh.engine.protocol import MAX_BODY_BYTES, error_body
 from rlmesh.engine.state import EngineState, load_state
+from rlmesh.runtime.http_auth import BearerTokenMiddleware
 from rlmesh.runtime.http_guard import HttpGuard, guard_policy
+from rlmesh.runtime.ready_file import write_ready_file
 
 log = logging.getLogger("rlmesh.engine")
 
 # The routers' routes themselves, not include_router: FastAPI 0.165 matches an included router
 # through a nested lookup, ~70 us more a request on a small CPU.
 ROUTES = [route for m in (routes_generate, routes_control, routes_weights) for route in m.router.routes]
-
-
-def write_ready_file(path: str, info: dict[str, object]) -> None:
-    # Through a rename, so a reader never sees the file half written.
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
 
 
 @asynccontextmanager

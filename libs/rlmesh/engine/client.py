@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
-from rlmesh.engine.auth import bearer_headers
+from rlmesh.runtime.http_auth import bearer_headers
 from rlmesh.runtime.tls import https_context
 
 FLATTENED_BUCKET = "flattened_bucket"

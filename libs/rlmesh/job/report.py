@@ -50,7 +50,7 @@ def engine_server_info(rollout_address: str, token: str | None = None) -> dict[s
     """The ``/get_server_info`` of a rollout replica's engine (found through ``Rollout.GetInfo``)."""
     import urllib.request
 
-    from rlmesh.engine.auth import bearer_headers
+    from rlmesh.runtime.http_auth import bearer_headers
 
     request = urllib.request.Request(
         engine_url(rollout_address, token) + "/get_server_info", headers=bearer_headers(token)

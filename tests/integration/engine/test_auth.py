@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from rlmesh.engine.app import ROUTES
-from rlmesh.engine.auth import OPEN_PATHS
 from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.runtime.http_auth import OPEN_PATHS
 
 TOKEN = "engine-token-5f2c"
 # FastAPI's own pages: served by the same app, so behind the same token.

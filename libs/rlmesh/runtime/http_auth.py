@@ -1,5 +1,6 @@
-"""Bearer-token auth for the engine's HTTP API, as SGLang's ``--api-key`` does it: 401 without
-``Authorization: Bearer <token>``, but for the probes and /metrics. docs/design.md#tokens"""
+"""Bearer-token auth for HTTP (the engines' API and the control plane's), as SGLang's ``--api-key``
+does it: 401 without ``Authorization: Bearer <token>``, but for the probes and /metrics; and the
+header a client sends. docs/design.md#tokens"""
 
 from __future__ import annotations
 
