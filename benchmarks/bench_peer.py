@@ -16,12 +16,18 @@ sampled at the training temperature per prompt; ``--eval-samples 0``: greedy), s
 benchmarks/peer_reward.py on both sides, before training and every ``--eval-every`` steps; greedy
 accuracy at the start and the end is shown too.
 
-What is timed, the same way on both sides: the training steps only. A step's time runs from the
-end of the previous step (or of its evaluation) to the end of its weight update (rlmesh: and the
-push of the new weights to the replicas); evaluation and process start-up are left out and shown
-apart. "time to TRL's final accuracy" is that training time summed up to the first evaluation at or
-above the accuracy TRL ends with (TRL's own counts the same way: it may get there before its last
-step); the ratio divides rlmesh's by TRL's.
+What is timed, between the same boundaries on both sides: the training steps only. A step's time
+runs from the end of the previous step's work, its metrics logging and the loop's between-step work
+included, to the end of its own work and logging; evaluation and process start-up are left out and
+shown apart. TRL (benchmarks/peer_trl.py): from the end of the previous ``on_step_end`` (after its
+evaluation) to this step's, which TRL calls after logging the step's metrics, so the previous
+step's cache release and ``gc.collect`` count here. rlmesh: from the start of the step, which the
+learner's loop reaches only once it has logged the previous one, to the start of the next, less
+the validation between the step's end and its metrics row; the last step ends at its row. The
+first step starts once the evaluation before training is done on both sides. "time to TRL's final
+accuracy" is that training time summed up to the first evaluation at or above the accuracy TRL ends
+with (TRL's own counts the same way: it may get there before its last step); the ratio divides
+rlmesh's by TRL's.
 """
 
 from __future__ import annotations
@@ -285,25 +291,32 @@ def time_to_accuracy(
 
 
 def rlmesh_timeline(rows: Sequence[dict[str, float]]) -> tuple[list[dict[str, float]], list[float], float]:
-    """From a run's metrics.jsonl rows: the evaluations (step, greedy accuracy, training time up to
-    that step), each step's time, and the time the evaluations took. A step's time is the learner's
-    ``timing_s/step`` (prompts queued to weights pushed, validation not included); an evaluation's
-    is from that step's end to its row being written."""
+    """From a run's metrics.jsonl rows: the evaluations (step, accuracy, training time up to that
+    step), each step's time, and the time the evaluations took. A step's work ends at
+    ``timing_start/step + timing_s/step`` (weights pushed, the step committed); its validation, if
+    any, and its metrics logging follow, and the next step starts after them (its
+    ``timing_start/step``), the last one's end being its row's ``time``. A step's time is from the
+    previous step's end to its own less its validation, which runs from its work's end to its row."""
     step_rows = sorted((r for r in rows if "timing_s/step" in r), key=lambda r: r["step"])
-    step_s = [float(r["timing_s/step"]) for r in step_rows]
-    cumulative, elapsed = {}, 0.0
-    for r in step_rows:
-        elapsed += float(r["timing_s/step"])
+    starts = [float(r["timing_start/step"]) for r in step_rows]
+    step_s, cumulative, eval_s, elapsed = [], {0: 0.0}, 0.0, 0.0
+    # The first step starts once the validation before training (its own row) is logged.
+    previous_end = starts[0] if starts else 0.0
+    for i, r in enumerate(step_rows):
+        work_end = starts[i] + float(r["timing_s/step"])
+        validation = max(0.0, float(r["time"]) - work_end) if "val/score" in r else 0.0
+        end = starts[i + 1] if i + 1 < len(step_rows) else float(r["time"])
+        took = end - previous_end - validation
+        previous_end = end
+        step_s.append(took)
+        elapsed += took
         cumulative[int(r["step"])] = elapsed
-    cumulative[0] = 0.0
-    evals, eval_s = [], 0.0
-    for r in sorted((r for r in rows if "val/score" in r), key=lambda r: r["step"]):
-        step = int(r["step"])
-        if step not in cumulative:
-            continue
-        evals.append({"step": step, "acc": float(r["val/score"]), "train_s": cumulative[step]})
-        if step > 0 and "timing_start/step" in r and "time" in r:
-            eval_s += max(0.0, float(r["time"]) - float(r["timing_start/step"]) - float(r["timing_s/step"]))
+        eval_s += validation
+    evals = [
+        {"step": int(r["step"]), "acc": float(r["val/score"]), "train_s": cumulative[int(r["step"])]}
+        for r in sorted((r for r in rows if "val/score" in r), key=lambda r: r["step"])
+        if int(r["step"]) in cumulative
+    ]
     return evals, step_s, eval_s
 
 

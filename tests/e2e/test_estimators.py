@@ -11,7 +11,9 @@ row). It writes every call to a trace. With ``ignore_eos`` every response has th
 advantages of a step follow from that step's scores alone: the test applies each estimator's
 formula (written out here, not rlmesh's) to the scores the trace holds for the groups the learner
 recorded for the step (``trained_groups.jsonl``) and compares with the statistics the learner
-logged. A wrong estimator, wrong groups or a lost ``gamma`` would each give other numbers. ReMax's
+logged, and, per sample and token, with what ``rlmesh.algo`` (the learner's call) returns for that
+batch, padding masked. A wrong estimator, wrong groups, a lost ``gamma``, a discount run the wrong
+way in time or advantages moved between samples would each give other numbers. ReMax's
 greedy baseline is one more reward call per prompt: the learner's record names each group's
 baseline score, which must be that extra call's, and the other ``n`` calls are the samples'.
 """
@@ -25,11 +27,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from rlmesh.algo import compute_advantage
+from rlmesh.config import AlgorithmConfig, load_config
 from rlmesh.data import RLHFDataset, generate_arithmetic
 from rlmesh.job.stack import free_port_overrides
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
@@ -41,6 +46,7 @@ STEPS = 3  # each estimator's job
 ASYNC_STEPS = 4  # the asynchronous job: step 1 is on-policy by construction, later ones may not be
 PROMPTS, N, LENGTH = 4, 4, 6  # prompts per step, samples per prompt, response tokens
 GAMMA = 0.9  # REINFORCE++ discounts with it; the group estimators must ignore it
+PAD = 2  # masked positions after every response in the per-token check: nothing may leak into them
 JOB_TIMEOUT_S = 500
 
 REWARD_FILE = '''"""A test's own reward: the share of characters whose code point has the parity of the
@@ -247,8 +253,59 @@ def expected(
     raise AssertionError(estimator)
 
 
-def check_advantages(estimator: str, done: Finished) -> None:
-    """Every step's logged advantage and return statistics are the estimator's, on its scores."""
+def job_algorithm(name: str) -> AlgorithmConfig:
+    """The job's resolved ``algorithm`` section: what its learner hands the estimator."""
+    keys = [*job_overrides(name, Path("train.parquet"), Path("run")), *JOBS[name]]
+    return load_config(CPU_DEMO, keys).algorithm
+
+
+def algo_per_token(
+    estimator: str, groups: list[list[float]], baselines: list[float] | None, algorithm: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) ``(samples, LENGTH + PAD)`` from ``rlmesh.algo.compute_advantage`` on
+    one step's batch as the learner lays it out: a row per sample, its score on its last response
+    token, ``PAD`` masked positions after it, its group's uid as the index (remax: its group's
+    baseline score), the job's ``gamma``, ``lam`` and GRPO normalisation."""
+    s = torch.tensor(groups, dtype=torch.float32)  # (groups, N)
+    rewards = torch.zeros(s.numel(), LENGTH + PAD)
+    rewards[:, LENGTH - 1] = s.reshape(-1)
+    mask = torch.zeros_like(rewards)
+    mask[:, :LENGTH] = 1.0
+    index = np.array([f"group-{g}" for g in range(s.shape[0]) for _ in range(s.shape[1])], dtype=object)
+    reward_baselines = None
+    if baselines is not None:
+        reward_baselines = torch.tensor(baselines, dtype=torch.float32).repeat_interleave(s.shape[1])
+    return compute_advantage(
+        estimator,
+        rewards,
+        mask,
+        index=index,
+        reward_baselines=reward_baselines,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+    )
+
+
+def check_per_token(
+    estimator: str, step: int, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Every sample's value at every position is the formula's; nothing past a response."""
+    for name, g, w in zip(("advantages", "returns"), got, want, strict=True):
+        assert g.shape == (w.shape[0], LENGTH + PAD), (step, name, g.shape)
+        torch.testing.assert_close(
+            g[:, :LENGTH].double(),
+            w,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, name=name: f"{estimator} step {step} {name}: {m}",
+        )
+        assert not g[:, LENGTH:].any(), (step, name, g[:, LENGTH:])
+
+
+def check_advantages(estimator: str, done: Finished, algorithm: AlgorithmConfig) -> None:
+    """Every step's logged advantage and return statistics are the estimator's, on its scores, and
+    rlmesh's estimator gives that step's batch the formula's value at every sample and token."""
     assert sorted(done.groups) == list(range(1, len(done.rows) + 1))
     spread = []
     for row in done.rows:
@@ -256,11 +313,14 @@ def check_advantages(estimator: str, done: Finished) -> None:
         assert row["response_length/min"] == row["response_length/max"] == LENGTH, row
         scores = [x for g in done.groups[step] for x in g]
         assert row["critic/score/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6), step
-        adv, returns = expected(estimator, done.groups[step], done.baselines.get(step))
+        baselines = done.baselines.get(step)
+        adv, returns = expected(estimator, done.groups[step], baselines)
         for name, x in (("advantages", adv), ("returns", returns)):
             for stat, value in (("mean", x.mean()), ("max", x.max()), ("min", x.min())):
                 key = f"critic/{name}/{stat}"
                 assert row[key] == pytest.approx(float(value), abs=1e-4), (step, key, row[key], float(value))
+        got = algo_per_token(estimator, done.groups[step], baselines, algorithm)
+        check_per_token(estimator, step, got, (adv, returns))
         spread.append(row["critic/advantages/max"] - row["critic/advantages/min"])
     assert max(spread) > 0.1, spread  # the checks above compared something besides zeros
 
@@ -281,7 +341,7 @@ def check_run(done: Finished, steps: int) -> None:
 def test_estimator_trains_on_its_own_advantages(jobs, estimator):
     done = jobs.finished(estimator)
     check_run(done, STEPS)
-    check_advantages(estimator, done)
+    check_advantages(estimator, done, job_algorithm(estimator))
     # Synchronous (max_staleness 0): every sample comes from the weights being trained.
     assert [r["training/staleness/max"] for r in done.rows] == [0.0] * STEPS
 
@@ -290,7 +350,7 @@ def test_estimator_trains_on_its_own_advantages(jobs, estimator):
 def test_async_run_trains_one_version_behind_with_importance_weights(jobs):
     done = jobs.finished("async")
     check_run(done, ASYNC_STEPS)
-    check_advantages("grpo", done)  # groups stay whole when batches are sampled ahead
+    check_advantages("grpo", done, job_algorithm("async"))  # groups stay whole when sampled ahead
     rows = done.rows
     for row in rows:
         for key in ("rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_std",

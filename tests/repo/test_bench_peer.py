@@ -141,7 +141,7 @@ def test_time_to_accuracy_is_the_first_evaluation_at_or_above_the_target():
     assert bench.time_to_accuracy(evals, 0.5, window=2) is None  # one evaluation at 0.5 is not enough
 
 
-def test_the_rlmesh_timeline_sums_step_times_and_leaves_validation_out():
+def test_the_rlmesh_timeline_runs_step_to_step_and_leaves_validation_out():
     rows = [
         {"step": 0, "time": 100.0, "val/score": 0.3},
         {"step": 1, "time": 103.0, "timing_s/step": 2.0, "timing_start/step": 101.0},
@@ -150,11 +150,13 @@ def test_the_rlmesh_timeline_sums_step_times_and_leaves_validation_out():
         {"step": 4, "time": 114.0, "timing_s/step": 2.0, "timing_start/step": 111.0, "val/score": 0.5},
     ]
     evals, step_s, eval_s = bench.rlmesh_timeline(rows)
-    assert step_s == [2.0, 3.0, 2.5, 2.0]
+    # A step runs to the next one's start (its logging included: step 3's row at 110.0, step 4 from
+    # 111.0), less the validation between its work and its row; the last to its row.
+    assert step_s == [2.0, 3.0, 3.5, 2.0]
     assert evals == [
         {"step": 0, "acc": 0.3, "train_s": 0.0},
         {"step": 2, "acc": 0.4, "train_s": 5.0},
-        {"step": 4, "acc": 0.5, "train_s": 9.5},
+        {"step": 4, "acc": 0.5, "train_s": 10.5},
     ]
     assert eval_s == pytest.approx(1.5 + 1.0)  # each validation: from its step's end to its row
 
