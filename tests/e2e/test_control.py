@@ -103,10 +103,12 @@ def test_a_running_job_is_driven_through_the_control_plane(tmp_path):
             assert replica["tokens_per_s"] is not None and replica["tasks_in_flight"] is not None
 
             # The history shows the change from the step it applied to, and the validations.
-            rows = api.get("/run/metrics", params={"keys": "actor/lr,hparams/actor_lr", "start": 1}).json()["rows"]
+            keys = {"keys": "actor/lr,hparams/actor_lr", "start": 1}
+            rows = api.get("/run/metrics", params=keys).json()["rows"]
             by_step = {row["step"]: row["metrics"] for row in rows}
             assert sorted(by_step) == list(range(1, held + 1))
-            assert by_step[applies]["hparams/actor_lr"] == LR and by_step[applies]["actor/lr"] == pytest.approx(LR)
+            applied = by_step[applies]
+            assert applied["hparams/actor_lr"] == LR and applied["actor/lr"] == pytest.approx(LR)
             validation = api.get("/run/validation").json()["rows"]
             assert [row["step"] for row in validation][:2] == [3, 6] and "val/score" in validation[0][
                 "metrics"

@@ -122,7 +122,11 @@ def test_the_dashboard_shows_a_running_job_and_changes_its_hyperparameters(tmp_p
 
         def trained_with() -> dict[int, float]:
             rows = api.get("/run/metrics", params={"keys": "hparams/actor_lr", "start": 1}).json()["rows"]
-            return {r["step"]: r["metrics"]["hparams/actor_lr"] for r in rows if "hparams/actor_lr" in r["metrics"]}
+            return {
+                r["step"]: r["metrics"]["hparams/actor_lr"]
+                for r in rows
+                if "hparams/actor_lr" in r["metrics"]
+            }
 
         wait_until(lambda: len(trained_with()) >= SHOWN, 300, f"{SHOWN} steps in the history", every_s=0.5)
         lrs = trained_with()
