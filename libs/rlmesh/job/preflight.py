@@ -513,12 +513,18 @@ def run_preflight(cfg: RLMeshConfig, progress: Progress | None = None) -> Prefli
     weights, starts nothing, makes nothing in the run's directory. ``progress`` is told each step as
     it starts. Calls ``asyncio.run``: not from a running event loop."""
     checks = _Checks(cfg, progress or (lambda message: None))
+    if cfg.trainer.total_training_steps:
+        # The run's length needs no data: a finished run is told at once, nothing else loaded.
+        checks.check_finished()
+        if checks.report.finished is not None:
+            return checks.report
     checks.check_models()
     checks.check_data("train")
     if cfg.data.val_files:
         checks.check_data("val")
     checks.check_reward()
-    checks.check_finished()
+    if not cfg.trainer.total_training_steps:
+        checks.check_finished()
     return checks.report
 
 

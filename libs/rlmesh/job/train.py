@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -76,20 +77,29 @@ def progress_line(
     )
 
 
+# A record of the text log format starts with its time: ``2026-12-03 15:00:51,859 ERROR [...]``.
+TEXT_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
 def learner_failure(log_path: Path) -> str | None:
     """What ended the learner (the exception's type and message), from the last "training failed"
-    record of its JSON log; None when there is none."""
+    record of its log, JSON or text (``rlmesh.runtime.log_format``); None when there is none."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    for line in reversed(lines):
-        if '"training failed"' not in line:
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        if "training failed" not in line:
             continue
-        try:
-            exc = str(json.loads(line).get("exc") or "")
-        except (ValueError, AttributeError):
-            continue
+        if line.startswith("{"):
+            try:
+                exc = str(json.loads(line).get("exc") or "")
+            except (ValueError, AttributeError):
+                continue
+        else:  # the traceback follows on the lines up to the next record
+            after = itertools.takewhile(lambda ln: not TEXT_RECORD.match(ln), lines[i + 1 :])
+            exc = "\n".join(after)
         # The traceback's frames are indented; the exception (its message may span lines) follows.
         tail = exc.rsplit("Traceback (most recent call last):", 1)[-1].splitlines()
         rest = list(itertools.dropwhile(lambda ln: not ln or ln[0].isspace(), tail))
@@ -237,22 +247,27 @@ def follow_learner(
     known_total = 0  # the run's steps as the learner counts them (0: not heard from it yet)
     first: int | None = None  # the step this run started after (> 0 when it resumed)
     last_row = False  # the row of the run's last step is written
-    started = time.monotonic()
+    # The elapsed time runs from this run's first step's start, by the rows' own wall times: the
+    # learner may be steps ahead of the lines (it trains while the control plane starts).
+    started: float | None = None
     paused = PausedTime()
 
     def show_steps() -> None:
         # One line per step of this run, from the learner's metrics rows: a poll can miss a
         # step, the rows cannot (step 0 is validation before training: no line).
-        nonlocal first, last_row
+        nonlocal first, last_row, started
         for row in follower.new_rows():
             if "timing_s/step" not in row:
                 continue
             step = int(row["step"])
+            ended = float(row.get("time", time.time()))
             if first is None:
                 first = step - 1
+                started = float(row.get("timing_start/step", ended - float(row["timing_s/step"])))
                 if first:
                     say(f"resumed from the checkpoint of step {first}")
-            elapsed = time.monotonic() - started
+            assert started is not None
+            elapsed = max(ended - started, 0.0)
             say(progress_line(step, max(total, step), row, elapsed, step - first, paused.seconds))
             if known_total and step >= known_total:
                 last_row = True
@@ -428,8 +443,7 @@ def run_job(
             why = learner_failure(learner.process.log_path)
             if why:
                 result.failure += f"\n{why}"
-            say(result.failure)
-            result.code = code
+            result.code = code  # the caller prints the failure, once
             return result
     result.code = 0
     result.wall_s = time.monotonic() - t0
@@ -502,6 +516,13 @@ def summarize(
         print(f"  validation score after       {after:7.1%}   ({(after - before) * 100:+.1f} points)")
     print(f"  PPO steps                    {steps:7d}")
     print(f"  wall time                    {result.wall_s:7.0f} s")
+    failed = reward_failures(rows)
+    if failed is not None:
+        summary.update(reward_failed=failed[0], reward_scored=failed[1])
+        print(
+            f"  reward failed                {failed[0] / failed[1]:7.1%}   ({failed[0]} of {failed[1]} "
+            "training samples; the first, with its file and line, in the learner's log)"
+        )
     for key, value in rates.items():
         print(f"  {key.replace('_', ' '):<28} {value:7.0f}")
     print(f"  metrics   {result.checkpoint_dir / 'metrics.jsonl'}")
@@ -520,6 +541,17 @@ def summarize(
     )
     print(json.dumps(summary), flush=True)
     return 1 if result.export_failure else 0
+
+
+def reward_failures(rows: list[dict[str, float]]) -> tuple[int, int] | None:
+    """Training samples whose reward failed, and all scored, over the steps of ``rows``; None when
+    none failed."""
+    failed = scored = 0
+    for row in rows:
+        n, ratio = row.get("reward/failed", 0.0), row.get("reward/failed_ratio", 0.0)
+        if "timing_s/step" in row and n > 0 and ratio > 0:
+            failed, scored = failed + round(n), scored + round(n / ratio)
+    return (failed, scored) if failed else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,8 @@ def test_a_run_at_its_last_step_is_finished(finished):
     job, checkpoint = finished
     report = preflight(job)
     assert report.problems == [] and report.finished is not None
+    # Its length is given (trainer.total_training_steps): told before the model or data are loaded.
+    assert [c for c in report.checked if not c.startswith("resume:")] == [], report.checked
     assert (report.finished.checkpoint, report.finished.step, report.finished.total_steps) == (
         str(checkpoint),
         3,

@@ -3,7 +3,15 @@ its step lines and the remaining time, what the learner is doing, where a stoppe
 
 import json
 
-from rlmesh.job.train import PausedTime, RestartBudget, checkpoint_line, learner_state, progress_line
+from rlmesh.job.train import (
+    PausedTime,
+    RestartBudget,
+    checkpoint_line,
+    learner_failure,
+    learner_state,
+    progress_line,
+    reward_failures,
+)
 
 
 def test_each_service_gets_its_own_budget_per_hour():
@@ -66,3 +74,47 @@ def test_after_ctrl_c_the_job_names_the_checkpoint_the_same_command_resumes_from
     assert checkpoint_line(tmp_path) == (
         f"last checkpoint: step 6 ({newest}); running the same command again resumes from it"
     )
+
+
+TEXT_LOG = """\
+2026-12-03 15:00:51,830 WARNING [learner/r] rlmesh.learner: validation before training: the reward failed
+2026-12-03 15:00:51,859 ERROR [learner/r] rlmesh.learner: training failed
+Traceback (most recent call last):
+  File "/x/loop.py", line 10, in run
+    raise RewardFailed(message)
+rlmesh.reward.failures.RewardFailed: validation before training: the reward failed on 34 of 50 samples
+  File "bad/reward.py", line 4, in compute_score
+Fix the reward function and run the same command again.
+2026-12-03 15:00:52,001 INFO [learner/r] rlmesh.runtime: stopped
+"""
+
+
+def test_the_learners_failure_is_read_from_a_text_log_as_from_a_json_one(tmp_path):
+    text = tmp_path / "text.log"
+    text.write_text(TEXT_LOG)
+    why = learner_failure(text)
+    assert why is not None and why.startswith(
+        "rlmesh.reward.failures.RewardFailed: validation before training"
+    )
+    assert why.endswith("run the same command again.")  # the record's last line, not the next record
+    record = {
+        "msg": "training failed",
+        "exc": TEXT_LOG.split("training failed\n", 1)[1].rsplit("\n2026", 1)[0],
+    }
+    json_log = tmp_path / "json.log"
+    json_log.write_text(json.dumps({"msg": "serving"}) + "\n" + json.dumps(record) + "\n")
+    assert learner_failure(json_log) == why
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("2026-12-03 15:00:51,830 INFO [learner/r] rlmesh.learner: stopped\n")
+    assert learner_failure(quiet) is None
+
+
+def test_the_summary_counts_the_failed_rewards_of_the_training_steps():
+    rows = [
+        {"step": 0, "val/score": 0.5, "val/reward/failed": 3.0, "val/reward/failed_ratio": 0.3},
+        {"step": 1, "timing_s/step": 1.0, "reward/failed": 4.0, "reward/failed_ratio": 0.25},
+        {"step": 2, "timing_s/step": 1.0, "reward/failed": 0.0, "reward/failed_ratio": 0.0},
+        {"step": 3, "timing_s/step": 1.0, "reward/failed": 8.0, "reward/failed_ratio": 0.5},
+    ]
+    assert reward_failures(rows) == (12, 32)  # 4 of 16 and 8 of 16; validation's are its own
+    assert reward_failures(rows[2:3]) is None
