@@ -103,8 +103,15 @@ def find_run(checkpoint_dir: Path | None, run_id: str | None, note: Note) -> tup
         return found[-1], ""
     here = (checkpoint_dir if checkpoint_dir is not None else Path.cwd()) / RUN_FILE
     found_here = live(read_run_file(here), note)
-    if found_here is not None or checkpoint_dir is not None:
-        return found_here, f"no run file at {here}"
+    if found_here is not None:
+        return found_here, ""
+    if checkpoint_dir is not None:
+        # A job started with other overrides (the demo's checkpoint directory is its own): name
+        # the ones running, so the user can pick one.
+        jobs = running_jobs()
+        listing = "".join(f"; running: {r.run_id} (checkpoints in {r.checkpoint_dir})" for r in jobs)
+        pick = ", pick one with --run RUN_ID" if jobs else ""
+        return None, f"no run file at {here}{listing}{pick}"
     jobs = running_jobs()
     if len(jobs) > 1:
         listing = "".join(f"\n  {r.run_id}  {r.url}  checkpoints in {r.checkpoint_dir}" for r in jobs)
@@ -150,9 +157,11 @@ def parse_assignments(items: Sequence[str]) -> dict[str, float]:
     values = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or name not in HPARAMS:
+        if not sep:
+            raise SystemExit(f"rlmesh ctl set: {item!r}: expected NAME=VALUE, e.g. actor_lr=1e-6")
+        if name not in HPARAMS:
             raise SystemExit(
-                f"rlmesh ctl set: {item!r}: expected NAME=VALUE, NAME one of {', '.join(HPARAMS)}"
+                f"rlmesh ctl set: unknown name {name!r}: the live hyper-parameters are {', '.join(HPARAMS)}"
             )
         try:
             values[name] = float(value)

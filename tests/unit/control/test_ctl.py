@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from rlmesh.config import load_config
 from rlmesh.control.app import create_app
-from rlmesh.control.ctl import build_parser, find_target, refusal, show, split_overrides
+from rlmesh.control.ctl import build_parser, find_target, parse_assignments, refusal, show, split_overrides
 from rlmesh.runtime.run_file import (
     RUN_FILE,
     RunFiles,
@@ -337,3 +337,21 @@ def test_a_refused_value_is_a_plain_line_naming_the_field_and_its_range():
         "rlmesh ctl checkpoint: no step yet (HTTP 409)"
     ]
     assert "RLMESH_AUTH_TOKEN" in refusal("status", 401, {"message": "missing bearer token"})[0]
+
+
+def test_a_config_whose_directory_holds_no_run_names_the_jobs_running(tmp_path):
+    _, note = notes()
+    published(tmp_path, "run-a")
+    t = find_target(None, str(CPU_DEMO), [f"trainer.default_local_dir={tmp_path / 'elsewhere'}"], None, note)
+    assert f"no run file at {tmp_path / 'elsewhere' / RUN_FILE}" in t.searched
+    assert "running: run-a" in t.searched and "--run RUN_ID" in t.searched
+
+
+def test_a_bad_assignment_says_what_is_wrong_with_it():
+    with pytest.raises(SystemExit, match="unknown name 'lr': the live hyper-parameters are actor_lr"):
+        parse_assignments(["lr=1e-5"])
+    with pytest.raises(SystemExit, match="expected NAME=VALUE"):
+        parse_assignments(["actor_lr"])
+    with pytest.raises(SystemExit, match="'fast' is not a number"):
+        parse_assignments(["actor_lr=fast"])
+    assert parse_assignments(["actor_lr=1e-5", "kl_coef=0"]) == {"actor_lr": 1e-5, "kl_coef": 0.0}
