@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from types import FrameType
 
+from rlmesh.runtime.cpu_env import quiet_deepspeed_on_cpu
+
 SERVICE_GROUP = "rlmesh.services"
 
 
@@ -314,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored:
         # Ctrl-C (or a SIGINT from a supervisor) must stop what these commands started all the same.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    quiet_deepspeed_on_cpu(os.environ)  # before anything imports transformers (and DeepSpeed)
     _plain_config_warnings()
     try:
         code = int(args.func(args, rest) or 0)

@@ -24,6 +24,7 @@ from types import TracebackType
 from urllib.parse import quote, urlencode
 
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
+from rlmesh.runtime.cpu_env import quiet_deepspeed_on_cpu
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
 from rlmesh.runtime.net import bracket, dial_host, free_port, host_of, is_wildcard
 from rlmesh.runtime.tls import http_scheme
@@ -316,9 +317,7 @@ class ProcessLauncher:
         child_env = {**os.environ, **(env or {}), **secret_env(secret)}
         child_env.setdefault("OMP_NUM_THREADS", "1")
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        if shutil.which("nvidia-smi") is None:
-            # transformers imports deepspeed, which warns while probing for a GPU that is not there.
-            child_env.setdefault("DS_ACCELERATOR", "cpu")
+        quiet_deepspeed_on_cpu(child_env)
         with self._log_lock:  # a restart under the same name
             rotate_log(log_path, self.log_max_bytes, self.log_backups)
         with open(open_private_log(log_path), "ab") as log_file:
