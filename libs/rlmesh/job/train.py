@@ -41,6 +41,7 @@ class JobResult:
     outputs_written: bool = False  # the plot, and the export when asked for (write_outputs)
     exported: Path | None = None
     export_failure: str = ""
+    started_wall: float = 0.0  # time.time() at the start: rows written after it are this run's
 
 
 def say_with(prefix: str) -> Say:
@@ -367,7 +368,12 @@ def run_job(
     export_dir = cfg.rlmesh.learner.export_dir or str(checkpoint_dir / ACTOR_DIR)
     wall_start = time.time()
     result = JobResult(
-        code=1, run_id=run_id, checkpoint_dir=checkpoint_dir, service_dir=service_dir, wall_s=0
+        code=1,
+        run_id=run_id,
+        checkpoint_dir=checkpoint_dir,
+        service_dir=service_dir,
+        wall_s=0,
+        started_wall=wall_start,
     )
     token = cfg.rlmesh.auth_token
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
@@ -514,7 +520,9 @@ def summarize(
         summary.update(acc_before=before, acc_after=after)
         print(f"  validation score before      {before:7.1%}   (step {int(vals[0]['step'])})")
         print(f"  validation score after       {after:7.1%}   ({(after - before) * 100:+.1f} points)")
-    print(f"  PPO steps                    {steps:7d}")
+    this_run = [r["step"] for r in rows if "timing_s/step" in r and r.get("time", 0) >= result.started_wall]
+    resumed = f"   ({int(min(this_run))}-{steps} this run, resumed)" if this_run and min(this_run) > 1 else ""
+    print(f"  PPO steps                    {steps:7d}{resumed}")
     print(f"  wall time                    {result.wall_s:7.0f} s")
     failed = reward_failures(rows)
     if failed is not None:

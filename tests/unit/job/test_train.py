@@ -4,6 +4,7 @@ its step lines and the remaining time, what the learner is doing, where a stoppe
 import json
 
 from rlmesh.job.train import (
+    JobResult,
     PausedTime,
     RestartBudget,
     checkpoint_line,
@@ -11,6 +12,7 @@ from rlmesh.job.train import (
     learner_state,
     progress_line,
     reward_failures,
+    summarize,
 )
 
 
@@ -118,3 +120,18 @@ def test_the_summary_counts_the_failed_rewards_of_the_training_steps():
     ]
     assert reward_failures(rows) == (12, 32)  # 4 of 16 and 8 of 16; validation's are its own
     assert reward_failures(rows[2:3]) is None
+
+
+def test_a_resumed_runs_summary_says_which_steps_this_run_trained(tmp_path, capsys):
+    rows = [
+        {"step": s, "time": 100.0 + s, "timing_s/step": 1.0, "training/tokens": 10.0} for s in range(1, 21)
+    ]
+    result = JobResult(
+        code=0, run_id="r", checkpoint_dir=tmp_path, service_dir=tmp_path, wall_s=7, started_wall=113.5
+    )
+    result.rows, result.outputs_written = rows, True
+    summarize(result, "title", export=False)
+    assert "PPO steps                         20   (14-20 this run, resumed)" in capsys.readouterr().out
+    result.started_wall = 0.0  # every row is this run's: not resumed
+    summarize(result, "title", export=False)
+    assert "this run" not in capsys.readouterr().out
