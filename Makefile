@@ -1,4 +1,4 @@
-# rlmesh — the README's two commands are `make demo` and `make test`.
+# rlmesh — the README's commands are `make demo`, `rlmesh train` and `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -69,7 +69,7 @@ test-tools: redis-server
 demo: venv redis-server
 	$(BIN)/rlmesh demo $(DEMO_ARGS)
 
-# The README's table: the demo for seeds 0, 1 and 2 (about 10 minutes each, warm-ups cached after).
+# The seeds' table of docs/quickstart.md: the demo for seeds 0, 1 and 2 (about 10 minutes each, warm-ups cached after).
 demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 

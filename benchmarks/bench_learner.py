@@ -50,7 +50,7 @@ from rlmesh.config import EngineSettings, OptimConfig
 from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import init_distributed
 from rlmesh.learner.forward import MicroBatch, actor_forward, critic_forward
-from rlmesh.learner.models import load_actor_model, load_critic_model
+from rlmesh.learner.model_loading import load_actor_model, load_critic_model
 from rlmesh.learner.weight_buckets import iter_weight_buckets
 from rlmesh.models import build_tiny_model, build_tokenizer
 

@@ -10,7 +10,7 @@ by a seeded supervised run until greedy accuracy on a dev split reaches ``--sft-
 
 Both sides then run ``--steps`` PPO steps of 64 prompts (n = 1), 4 epochs over 2 mini-batches:
 TRL in its own venv (benchmarks/peer_trl.py under .venv-trl), rlmesh with ``rlmesh train``, once
-with TRL's knobs mapped to verl's keys (``trl-knobs``) and once with the config the README documents
+with TRL's knobs mapped to verl's keys (``trl-knobs``) and once with the config docs/benchmarks.md documents
 as the fast one (``fast``). Accuracy is avg@8 on the 256 test prompts (the mean score of 8 answers
 sampled at the training temperature per prompt; ``--eval-samples 0``: greedy), scored by
 benchmarks/peer_reward.py on both sides, before training and every ``--eval-every`` steps; greedy
@@ -185,7 +185,7 @@ def trl_knobs_overrides(knobs: Knobs) -> dict[str, Any]:
     return o
 
 
-# The config the README documents as rlmesh's fast one for this task (the same model, data, reward,
+# The config docs/benchmarks.md documents as rlmesh's fast one for this task (the same model, data, reward,
 # KL penalty, clip range and batch): no critic (REINFORCE++: returns whitened over the batch, which
 # n = 1 allows), half the PPO epochs at a higher learning rate, gradients clipped as verl does.
 FAST_OVERRIDES: dict[str, Any] = {

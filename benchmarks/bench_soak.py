@@ -1,7 +1,7 @@
 """make bench-soak: the demo pipeline for 1,000 PPO steps with a rollout replica killed (kill -9)
 every 100 steps, alternating replicas, each restarted by the job's supervisor. Every 100 steps it
 samples the resident memory of every process of the job, Redis's memory and keys, and the disk
-the run uses; at the end it prints the table the README quotes (growth from step 100 to the end,
+the run uses; at the end it prints the table docs/reliability.md quotes (growth from step 100 to the end,
 scaled to 1,000 steps) and exits 1 if the job failed.
 
     python benchmarks/bench_soak.py [--steps 1000] [--kill-every 100] [--workdir runs/soak]

@@ -1,5 +1,5 @@
 """make demo-seeds: `rlmesh demo --seed N` for seeds 0, 1, 2, one after the other, then the table
-the README shows (start, end, lift, PPO wall time, warm-up). Each run prints its own progress.
+docs/quickstart.md shows (start, end, lift, PPO wall time, warm-up). Each run prints its own progress.
 
     python benchmarks/demo_seeds.py [--seeds 0 1 2] [--workdir runs/demo] [demo args...]
 """

@@ -126,7 +126,7 @@ def cmd_data(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_engine(args: argparse.Namespace, rest: list[str]) -> int:
-    from rlmesh.engine.server import main as engine_main
+    from rlmesh.engine.http_server import main as engine_main
 
     return engine_main(rest)
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from rlmesh.config import RLMeshConfig
-from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.reward.function_loader import RewardFunctionLoadError
 from rlmesh.reward.scorer import RewardScorer
 from rlmesh.reward.servicer import SERVICE_NAME, RewardServicer
 from rlmesh.runtime.entry import CannotStart, service_main

@@ -44,7 +44,7 @@ def test_a_zero_engine_with_offloaded_optimizer_states_steps_them_with_cpu_adam(
     from rlmesh.config import EngineSettings
     from rlmesh.learner.deepspeed_engine import build_engine
     from rlmesh.learner.dist import init_distributed
-    from rlmesh.learner.models import load_actor_model
+    from rlmesh.learner.model_loading import load_actor_model
 
     init_distributed()
     settings = EngineSettings(zero_stage=1, offload_param=False, offload_optimizer=True, dtype="float32")

@@ -227,3 +227,27 @@ def test_link_checker_catches_what_it_should(tmp_path, monkeypatch):
         "docs/a.md#nope: no such heading in docs/a.md",
         "#nowhere is no heading of README.md",
     ]
+
+
+# ---------------------------------------------------------------- length and figures
+
+README_MAX_LINES = 200  # issue 33: a newcomer reads it in five minutes; the rest lives in docs/
+FIGURE_ROW = re.compile(r"^\|(.+)\|(.+)\|\s*$")
+
+
+def test_readme_stays_short():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to a page in docs/"
+    )
+
+
+def test_every_headline_figure_names_its_command():
+    text = README.read_text()
+    assert "## Headline figures" in text, "README.md has no Headline figures section"
+    section = text.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [FIGURE_ROW.match(line.strip()) for line in section.splitlines() if line.startswith("|")]
+    body = [m for m in rows[2:] if m]  # past the header and its rule
+    assert body, "the Headline figures table has no rows"
+    bare = [m.group(1).strip() for m in body if not re.search(r"`[^`]+`", m.group(2))]
+    assert not bare, "headline figures without the command that reproduces them:\n" + "\n".join(bare)

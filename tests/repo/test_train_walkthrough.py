@@ -10,7 +10,7 @@ import re
 import pyarrow.parquet as pq
 import yaml
 
-from rlmesh.reward.loader import load_reward_function
+from rlmesh.reward.function_loader import load_reward_function
 from tests.support.walkthrough import follow, walkthrough_steps
 
 

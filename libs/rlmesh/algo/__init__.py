@@ -17,6 +17,7 @@ from rlmesh.algo.advantages import (
     group_indices,
     register_adv_est,
 )
+from rlmesh.algo.diagnostics import compute_approx_kl, compute_clipfrac, compute_data_metrics, masked_stats
 from rlmesh.algo.kl import (
     KL_PENALTY_NAMES,
     AdaptiveKLController,
@@ -57,7 +58,6 @@ from rlmesh.algo.losses import (
     register_policy_loss,
 )
 from rlmesh.algo.masked import clip_by_value, masked_mean, masked_sum, masked_var, masked_whiten
-from rlmesh.algo.metrics import compute_approx_kl, compute_clipfrac, compute_data_metrics, masked_stats
 from rlmesh.algo.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     compute_is_metrics,

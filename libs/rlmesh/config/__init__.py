@@ -13,7 +13,7 @@ from rlmesh.config.actor_rollout_ref import (
 )
 from rlmesh.config.base import COMPAT_DESCRIPTION, ConfigWarning
 from rlmesh.config.errors import ConfigError
-from rlmesh.config.keys import ConfigKey, config_keys, keys_markdown_table
+from rlmesh.config.key_catalog import ConfigKey, config_keys, keys_markdown_table
 from rlmesh.config.loader import (
     ENV_AUTH_TOKEN,
     config_from_dict,

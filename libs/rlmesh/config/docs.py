@@ -1,24 +1,48 @@
-"""Keeps the key tables in README.md and docs/config.md equal to the schema (``make docs``)."""
+"""Writes docs/config.md, every key rlmesh reads with its default, from the schema (``make docs``)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from rlmesh.config.keys import keys_markdown_table
+from rlmesh.config.key_catalog import keys_markdown_table
 
-START, END = "<!-- config-keys:start -->", "<!-- config-keys:end -->"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
+# The page's prose: how a config is given and checked. The tables below it are generated.
+INTRO = """\
+# Configuration keys
 
-def readme_section() -> str:
-    return (
-        "<details><summary>Every key rlmesh uses, with its default (click to open)</summary>\n\n"
-        + keys_markdown_table(include_compat=False)
-        + "\n\n</details>\n\nThe verl keys that are accepted but have no effect are listed, each with the "
-        "reason, in [docs/config.md](docs/config.md#keys-rlmesh-ignores); a config that sets any of them "
-        "gets one warning at start-up naming them (`rlmesh config validate` prints it too)."
-    )
+Generated from the schema by `make docs` (`rlmesh.config.docs`); do not edit by hand.
+
+One typed tree with verl's key names and verl's defaults, from a YAML file plus dotted overrides
+typed exactly as verl users type them:
+
+```bash
+rlmesh config show --config examples/cpu_demo.yaml actor_rollout_ref.actor.clip_ratio=0.2 "trainer.logger=['console','wandb']"
+```
+
+verl's own command lines load as written: every leaf of verl's generated PPO config of 0.5.0,
+0.6.1, 0.7.0 and 0.9.1, and the key=value parts of 28 of verl's example scripts, are checked in
+`make test` (`tests/unit/config/test_verl_corpus.py`, fixtures in `tests/support/verl_corpus/`).
+A verl key rlmesh reads under another name (`update_weights_bucket_megabytes`, 0.9's `reward.*`
+section), verl's engine names (`rollout.name=vllm` runs SGLang on a GPU machine, the embedded
+engine elsewhere) and every ignored key are named in one warning each at start-up, which
+`rlmesh config validate` prints; a key whose being ignored would change the result (a tool-use
+rollout, a sandbox reward, distillation) is refused with what to use instead
+([Keys rlmesh maps](#keys-rlmesh-maps), [Keys rlmesh refuses](#keys-rlmesh-refuses-unless-at-their-default)).
+
+Unknown keys fail and name the closest valid ones; bad values name the key, the value and what
+is allowed; cross-field checks (mini batch divides the batch, micro divides mini, …) fail with
+the numbers. Below, every key and its default (`rlmesh config keys` prints the same; a test keeps
+this page current). Defaults equal verl's `ppo_trainer.yaml` wherever verl has the key. The verl
+keys that are accepted but have no effect are listed, each with the reason, in
+[Keys rlmesh ignores](#keys-rlmesh-ignores); a config that sets any of them gets one warning at
+start-up naming them (`rlmesh config validate` prints it too).
+
+## Every key rlmesh uses
+
+"""
 
 
 def verl_map_markdown() -> str:
@@ -57,30 +81,13 @@ def verl_map_markdown() -> str:
 
 
 def config_doc() -> str:
-    return (
-        "# Configuration keys\n\nGenerated from the schema by `make docs`; do not edit by hand.\n"
-        "Defaults equal verl's `ppo_trainer.yaml` wherever verl has the key.\n\n"
-        + keys_markdown_table(include_compat=True)
-        + "\n"
-        + verl_map_markdown()
-    )
-
-
-def render_readme(text: str) -> str:
-    if START not in text or END not in text:
-        raise ValueError(f"README has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{readme_section()}\n{END}{tail}"
+    return INTRO + keys_markdown_table(include_compat=True) + "\n" + verl_map_markdown()
 
 
 def sync(root: Path = REPO_ROOT, check: bool = False) -> list[str]:
     """Returns the files that were (or, with ``check``, would be) changed."""
     changed = []
-    for path, new in (
-        (root / "README.md", render_readme((root / "README.md").read_text())),
-        (root / "docs" / "config.md", config_doc()),
-    ):
+    for path, new in ((root / "docs" / "config.md", config_doc()),):
         old = path.read_text() if path.exists() else ""
         if old != new:
             changed.append(str(path.relative_to(root)))
@@ -92,5 +99,5 @@ def sync(root: Path = REPO_ROOT, check: bool = False) -> list[str]:
 
 if __name__ == "__main__":
     stale = sync(check="--check" in sys.argv)
-    print("updated: " + ", ".join(stale) if stale else "config key tables are current")
+    print("updated: " + ", ".join(stale) if stale else "config key table is current")
     sys.exit(1 if stale and "--check" in sys.argv else 0)

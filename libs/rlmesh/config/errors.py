@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from rlmesh.config.base import CrossFieldProblems
-from rlmesh.config.keys import config_key, known_paths
+from rlmesh.config.key_catalog import config_key, known_paths
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import SECRET_KEYS, redact_url
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from rlmesh.config.base import ConfigWarning
 from rlmesh.config.errors import ConfigError, format_validation_error
 from rlmesh.config.ignored import ignored_given, ignored_message
-from rlmesh.config.keys import config_keys
+from rlmesh.config.key_catalog import config_keys
 from rlmesh.config.placement import PlacementError, reference_on_gpu, split_gpus
 from rlmesh.config.schema import RLMeshConfig
 from rlmesh.config.secrets import public_config, redact_argv, secret_overrides_from_env

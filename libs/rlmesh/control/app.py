@@ -27,10 +27,10 @@ from rlmesh.control import (
     routes_run,
     routes_service,
 )
+from rlmesh.control.auto_response import Remedy
 from rlmesh.control.errors import ControlError
 from rlmesh.control.metrics import ControlMetrics, RequestMetricsMiddleware
 from rlmesh.control.plane import ControlPlane
-from rlmesh.control.policy import Remedy
 from rlmesh.queue.connection import TRANSIENT_ERRORS
 from rlmesh.runtime.http_auth import BearerTokenMiddleware
 from rlmesh.runtime.http_guard import HttpGuard, guard_policy

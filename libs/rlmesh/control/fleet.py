@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import ResponseError
 
-from rlmesh.config.addresses import check_address
+from rlmesh.config.address_checks import check_address
 from rlmesh.control.errors import ControlError, from_rpc_error
 from rlmesh.queue import ReplicaRegistry, RunKeys, prompt_queue, trajectory_queue
 from rlmesh.queue.streams import PAYLOAD, TAG

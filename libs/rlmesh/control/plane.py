@@ -15,9 +15,9 @@ from rlmesh.config.hparams import BY_KEY, HPARAMS, known_values, problems
 from rlmesh.config.loader import dump_public_yaml
 from rlmesh.config.secrets import public_config
 from rlmesh.control.audit import AuditLog
+from rlmesh.control.auto_response import AutoResponder, Remedy
 from rlmesh.control.errors import ControlError
 from rlmesh.control.learner_link import LearnerLink
-from rlmesh.control.policy import AutoResponder, Remedy
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect
 from rlmesh.queue.connection import TRANSIENT_ERRORS
 from rlmesh.queue.run_info import (

@@ -330,7 +330,7 @@ class _Checks:
     # ---- reward ------------------------------------------------------------------------------------
 
     def check_reward(self) -> None:
-        from rlmesh.reward.loader import RewardFunctionLoadError, configured_function
+        from rlmesh.reward.function_loader import RewardFunctionLoadError, configured_function
         from rlmesh.reward.managers import reward_manager_from_config
 
         cfg = self.cfg

@@ -109,7 +109,7 @@ class DeepSpeedPPOActor(PPOWorker):
         (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
 
     Its micro-batches (training and old log-probs) run padding-free when ``config.use_remove_padding``
-    (``rlmesh.learner.packing``; ValueError at once when the model cannot).
+    (``rlmesh.learner.packed_layout``; ValueError at once when the model cannot).
     """
 
     def __init__(

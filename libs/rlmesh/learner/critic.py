@@ -28,7 +28,7 @@ class DeepSpeedPPOCritic(PPOWorker):
     """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
     the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device, and
     ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s). Its micro-batches
-    run padding-free when ``config.model.use_remove_padding`` (``rlmesh.learner.packing``)."""
+    run padding-free when ``config.model.use_remove_padding`` (``rlmesh.learner.packed_layout``)."""
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from rlmesh.learner.checkpoint import (
     weights_only_loads,
 )
 from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.models import DTYPES, load_actor_model
+from rlmesh.learner.model_loading import DTYPES, load_actor_model
 from rlmesh.learner.weight_buckets import iter_weight_buckets
 
 __all__ = ["export_checkpoint", "main"]

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from rlmesh.algo import entropy_from_logits, logprobs_from_logits
 from rlmesh.algo.packing import PACKABLE_MODEL_TYPES, attention_mask_problem
 from rlmesh.learner.batch import PPOBatch
-from rlmesh.learner.models import hf_model
-from rlmesh.learner.packing import PackedLayout, packed_layout
+from rlmesh.learner.model_loading import hf_model
+from rlmesh.learner.packed_layout import PackedLayout, packed_layout
 
 __all__ = [
     "SHARED_PROMPT_MODEL_TYPES",
@@ -234,7 +234,7 @@ def actor_forward(
     .. math:: \\log\\pi(y_j) = \\mathrm{log\\_softmax}(z_{P+j-1} / \\tau)_{y_j}, \\qquad
               H_j = H(\\mathrm{softmax}(z_{P+j-1} / \\tau))
 
-    With ``pack``, the micro-batch runs padding-free (:func:`rlmesh.learner.packing.packed_layout`;
+    With ``pack``, the micro-batch runs padding-free (:func:`rlmesh.learner.packed_layout.packed_layout`;
     ValueError when the model cannot, :func:`packing_problem`). Else, with ``share_prompts``,
     samples of one prompt run it once (:func:`shared_prompt_layout`) when the model allows and that
     costs less. The outputs are the padded layout's up to float rounding either way.

@@ -33,7 +33,7 @@ from rlmesh.learner.collect import BatchCollector, StepBatch
 from rlmesh.learner.commands import Followers, RankCommand, run_collective
 from rlmesh.learner.dynamic_sampling import GenBatches, GroupFilter, draw_in_place
 from rlmesh.learner.feeder import PromptFeeder, index_of
-from rlmesh.learner.models import first_policy_version
+from rlmesh.learner.model_loading import first_policy_version
 from rlmesh.learner.recovery import LostGroupRecovery
 from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.validation import run_validation, select_generations, val_sampling

@@ -90,7 +90,7 @@ class PPOWorker:
     share_prompts: run a prompt once for all its samples in a micro-batch where that costs less
         (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
     balance_batch: ``trainer.balance_batch``, the ranks' shares even in tokens.
-    pack: micro-batches run padding-free (``rlmesh.learner.packing``); ValueError at once, naming
+    pack: micro-batches run padding-free (``rlmesh.learner.packed_layout``); ValueError at once, naming
         ``pack_key``, when the model cannot.
     """
 

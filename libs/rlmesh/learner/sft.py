@@ -426,7 +426,7 @@ def _dev_scorer(spec: str | None) -> Callable[[str, str, Any, Any], Any] | None:
         return None
     import asyncio
 
-    from rlmesh.reward.loader import load_reward_function
+    from rlmesh.reward.function_loader import load_reward_function
 
     fn = load_reward_function(spec)
 
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlmesh.config.actor_rollout_ref import check_chat_template
     from rlmesh.data import DatasetError, RLHFDataset
     from rlmesh.models.tokenizer import load_tokenizer
-    from rlmesh.reward.loader import RewardFunctionLoadError
+    from rlmesh.reward.function_loader import RewardFunctionLoadError
 
     chat_template = None
     if args.chat_template is not None:

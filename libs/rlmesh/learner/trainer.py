@@ -34,7 +34,7 @@ from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
 from rlmesh.learner.forward import greedy_generate
 from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.models import first_policy_version, hf_model, load_actor_model, load_critic_model
+from rlmesh.learner.model_loading import first_policy_version, hf_model, load_actor_model, load_critic_model
 from rlmesh.learner.overlap import Phase, PhaseRunner
 from rlmesh.learner.schedule import build_lr_scheduler, set_base_lr
 from rlmesh.learner.weight_buckets import iter_weight_buckets

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmesh.algo.metrics import process_validation_metrics
+from rlmesh.algo.diagnostics import process_validation_metrics
 from rlmesh.data import PromptItem
 from rlmesh.learner.batch import reward_extra_columns
 from rlmesh.reward.failures import FailureTally, RewardErrorRule

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
-from rlmesh.config.addresses import check_engine_url, check_peer_address
+from rlmesh.config.address_checks import check_engine_url, check_peer_address
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.signing import INVALID, UNDECODABLE, UNTRUSTED, unwrap, wrap
 from rlmesh.v1 import trajectory_pb2

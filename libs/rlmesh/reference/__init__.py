@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmesh.reference.batching import padded_tokens, plan_micro_batches
 from rlmesh.reference.client import ReferenceClient
+from rlmesh.reference.token_budget import padded_tokens, token_budget_micro_batches
 
 _LAZY = {"compute_ref_log_probs", "ReferenceModel", "InvalidRequestError", "Cancelled"}
 
@@ -26,5 +26,5 @@ __all__ = [
     "ReferenceModel",
     "compute_ref_log_probs",
     "padded_tokens",
-    "plan_micro_batches",
+    "token_budget_micro_batches",
 ]

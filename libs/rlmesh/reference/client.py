@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.runtime.addresses import AddressSource, StaticAddresses
+from rlmesh.runtime.address_sources import AddressSource, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller
 from rlmesh.v1 import common_pb2, reference_pb2, reference_pb2_grpc
 

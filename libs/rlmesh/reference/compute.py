@@ -13,7 +13,7 @@ import torch
 
 from rlmesh.algo import logprobs_from_logits
 from rlmesh.algo.packing import attention_mask_problem, pack_units
-from rlmesh.reference.batching import plan_micro_batches
+from rlmesh.reference.token_budget import token_budget_micro_batches
 from rlmesh.runtime.busy import BusyTracker
 from rlmesh.runtime.devices import default_device, default_dtype
 from rlmesh.runtime.invalid_request import InvalidRequestError
@@ -55,7 +55,9 @@ def compute_ref_log_probs(
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     out: list[list[float]] = [[] for _ in prompts]
-    for batch in plan_micro_batches(lengths, max_tokens_per_batch, max_samples_per_batch, packed=pack):
+    for batch in token_budget_micro_batches(
+        lengths, max_tokens_per_batch, max_samples_per_batch, packed=pack
+    ):
         if should_stop is not None and should_stop():
             raise Cancelled("stopped between micro-batches")
         sizes = [len(responses[i]) for i in batch]

@@ -8,10 +8,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rlmesh.config.addresses import check_peer_address
+from rlmesh.config.address_checks import check_peer_address
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.signing import INVALID, UNDECODABLE, UNTRUSTED, Signer, unwrap, wrap
-from rlmesh.runtime.addresses import RedisAddresses, get_addresses, set_addresses
+from rlmesh.runtime.address_sources import RedisAddresses, get_addresses, set_addresses
 
 REWARD_ADDRESSES = "reward_addresses"
 WHAT = "reward_addresses"

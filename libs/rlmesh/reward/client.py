@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmesh.queue.keys import RunKeys
 from rlmesh.reward.addresses import reward_address_source
-from rlmesh.runtime.addresses import AddressSource, StaticAddresses
+from rlmesh.runtime.address_sources import AddressSource, StaticAddresses
 from rlmesh.runtime.balancer import BalancedCaller
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 

@@ -13,7 +13,9 @@ from rlmesh.reward.pool import Aborted
 
 # The scorer's own frames and the thread and event-loop machinery a call runs under: never where a
 # user's reward went wrong, and they would push the user's frames out of the few shown.
-_OWN_FILES = frozenset(str(Path(__file__).with_name(n)) for n in ("pool.py", "loader.py", "scorer.py"))
+_OWN_FILES = frozenset(
+    str(Path(__file__).with_name(n)) for n in ("pool.py", "function_loader.py", "scorer.py")
+)
 _MACHINERY_DIRS = (str(Path(asyncio.__file__).parent), str(Path(concurrent.futures.__file__).parent))
 _THREADING = str(Path(threading.__file__))
 # A message or a source line is quoted this far: enough to recognise it, not a tensor's repr.

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.reward.function_loader import RewardFunctionLoadError
 
 if TYPE_CHECKING:
     from rlmesh.config import RLMeshConfig

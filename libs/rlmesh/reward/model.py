@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlmesh.models.tokenizer import load_tokenizer
-from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.reward.function_loader import RewardFunctionLoadError
 from rlmesh.runtime.devices import default_device, default_dtype
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from rlmesh.reward.builtin import builtin_for, data_source_rules
 from rlmesh.reward.frames import describe_raise
-from rlmesh.reward.loader import RewardFunction, builtin_function, configured_function
+from rlmesh.reward.function_loader import RewardFunction, builtin_function, configured_function
 from rlmesh.reward.managers import RewardManager, reward_manager_from_config
 from rlmesh.reward.metrics import RewardMetrics
 from rlmesh.reward.pool import describe, guard_async, guard_sync, wait_until

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
-from rlmesh.runtime.addresses import AddressSource, StaticAddresses
+from rlmesh.runtime.address_sources import AddressSource, StaticAddresses
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.server import CLIENT_GRPC_OPTIONS
 from rlmesh.runtime.tls import aio_channel

@@ -13,7 +13,7 @@ from rlmesh.learner.collect import BatchCollector
 from rlmesh.learner.feeder import group_uid
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
 from rlmesh.reward.failures import RewardErrorRule, RewardFailed
-from rlmesh.reward.loader import load_reward_function
+from rlmesh.reward.function_loader import load_reward_function
 from rlmesh.reward.scorer import RewardScorer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import reward_pb2, trajectory_pb2

@@ -19,9 +19,9 @@ from rlmesh.learner import PPOTrainer, build_batch
 from rlmesh.learner.actor import DeepSpeedPPOActor
 from rlmesh.learner.critic import DeepSpeedPPOCritic
 from rlmesh.learner.forward import actor_forward, critic_forward, slice_micro_batch, token_cost_in_pairs
-from rlmesh.learner.models import load_actor_model, load_critic_model
-from rlmesh.learner.packing import packed_layout
-from rlmesh.reference import ReferenceModel, compute_ref_log_probs, plan_micro_batches
+from rlmesh.learner.model_loading import load_actor_model, load_critic_model
+from rlmesh.learner.packed_layout import packed_layout
+from rlmesh.reference import ReferenceModel, compute_ref_log_probs, token_budget_micro_batches
 from rlmesh.v1.trajectory_pb2 import Trajectory
 from tests.support.learner import PAD, TIMING_PREFIXES, make_config, module_state
 
@@ -230,10 +230,10 @@ def test_reference_service_packed_equals_padded(tiny_model_dir):
 
 def test_packed_reference_micro_batches_hold_the_budget_in_real_tokens():
     lengths = [50, 3, 40, 7, 9, 30, 2]
-    batches = plan_micro_batches(lengths, 60, packed=True)
+    batches = token_budget_micro_batches(lengths, 60, packed=True)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(len(b) == 1 or sum(lengths[i] for i in b) <= 60 for b in batches)
-    assert len(batches) < len(plan_micro_batches(lengths, 60))  # padded: rows x longest <= 60
+    assert len(batches) < len(token_budget_micro_batches(lengths, 60))  # padded: rows x longest <= 60
 
 
 def test_config_keys_turn_packing_on_per_role():

@@ -19,7 +19,7 @@ from rlmesh.learner.forward import (
     slice_micro_batch,
     token_cost_in_pairs,
 )
-from rlmesh.learner.models import load_actor_model, load_critic_model
+from rlmesh.learner.model_loading import load_actor_model, load_critic_model
 from tests.support.learner import (
     PAD,
     TIMING_PREFIXES,

@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from rlmesh.reference import InvalidRequestError, ReferenceModel, compute_ref_log_probs, plan_micro_batches
+from rlmesh.reference import (
+    InvalidRequestError,
+    ReferenceModel,
+    compute_ref_log_probs,
+    token_budget_micro_batches,
+)
 from rlmesh.v1 import reference_pb2
 
 
@@ -19,7 +24,7 @@ from rlmesh.v1 import reference_pb2
 )
 @settings(max_examples=200, deadline=None)
 def test_micro_batches_cover_every_sample_once_within_the_budget(lengths, budget, max_samples):
-    batches = plan_micro_batches(lengths, budget, max_samples)
+    batches = token_budget_micro_batches(lengths, budget, max_samples)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
@@ -27,10 +32,10 @@ def test_micro_batches_cover_every_sample_once_within_the_budget(lengths, budget
 
 
 def test_micro_batches_pack_similar_lengths():
-    assert plan_micro_batches([5, 3, 10, 2, 2, 9, 1], 20) == [[2, 5], [0, 1, 3, 4], [6]]
-    assert plan_micro_batches([30, 1], 20) == [[0], [1]]  # an over-budget sample goes alone
+    assert token_budget_micro_batches([5, 3, 10, 2, 2, 9, 1], 20) == [[2, 5], [0, 1, 3, 4], [6]]
+    assert token_budget_micro_batches([30, 1], 20) == [[0], [1]]  # an over-budget sample goes alone
     with pytest.raises(ValueError, match="max_tokens"):
-        plan_micro_batches([1], 0)
+        token_budget_micro_batches([1], 0)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlmesh.algo.metrics import bootstrap_metric, process_validation_metrics
+from rlmesh.algo.diagnostics import bootstrap_metric, process_validation_metrics
 
 
 def verl_reference(data_sources, uids, infos, seed=42):

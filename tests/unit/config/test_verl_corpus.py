@@ -13,7 +13,7 @@ import yaml
 
 from rlmesh.config import ConfigWarning, load_config
 from rlmesh.config.ignored import ignored_reason
-from rlmesh.config.keys import config_key
+from rlmesh.config.key_catalog import config_key
 from rlmesh.config.verl_map import MOVED
 
 CORPUS = Path(__file__).parents[2] / "support" / "verl_corpus"
@@ -61,7 +61,7 @@ def _leaf_fate(leaf: str) -> str | None:
 
 
 def _under_section(key: str) -> bool:
-    from rlmesh.config.keys import known_paths
+    from rlmesh.config.key_catalog import known_paths
 
     return key in known_paths()
 

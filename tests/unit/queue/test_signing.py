@@ -6,7 +6,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rlmesh.config.addresses import check_engine_url, check_peer_address
+from rlmesh.config.address_checks import check_engine_url, check_peer_address
 from rlmesh.queue.keys import RunKeys
 from rlmesh.queue.policy import inside_roots
 from rlmesh.queue.signing import (

@@ -13,7 +13,7 @@ from rlmesh.reward.failures import (
     is_reward_failure,
     step_line_part,
 )
-from rlmesh.reward.loader import load_reward_function
+from rlmesh.reward.function_loader import load_reward_function
 from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import common_pb2, reward_pb2, trajectory_pb2
 
@@ -103,7 +103,7 @@ def test_a_raise_names_the_users_file_and_line_and_shows_the_last_frames(user_fi
     # Never the scorer's machinery: the thread pool, the guard, the loader's call.
     for machinery in (
         "rlmesh/reward/pool.py",
-        "rlmesh/reward/loader.py",
+        "rlmesh/reward/function_loader.py",
         "concurrent/futures",
         "threading.py",
     ):

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.reward.loader import RewardFunction, RewardFunctionLoadError
+from rlmesh.reward.function_loader import RewardFunction, RewardFunctionLoadError
 from rlmesh.reward.managers import OverlongPenalty, RewardManager, overlong_reward, reward_manager_from_config
 from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import reward_pb2

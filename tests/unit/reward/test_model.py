@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 from rlmesh.config import load_config
 from rlmesh.models import build_tokenizer
 from rlmesh.models.tokenizer import save_tokenizer
-from rlmesh.reward.loader import RewardFunctionLoadError
+from rlmesh.reward.function_loader import RewardFunctionLoadError
 from rlmesh.reward.model import RewardModelScorer
 from rlmesh.reward.scorer import RewardScorer
 from rlmesh.v1 import common_pb2, reward_pb2

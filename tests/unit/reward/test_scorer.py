@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rlmesh.reward.loader import (
+from rlmesh.reward.function_loader import (
     RewardFunction,
     RewardFunctionLoadError,
     builtin_function,

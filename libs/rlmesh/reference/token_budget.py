@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def plan_micro_batches(
+def token_budget_micro_batches(
     lengths: Sequence[int], max_tokens: int, max_samples: int | None = None, packed: bool = False
 ) -> list[list[int]]:
     """Indices of ``lengths`` grouped into micro-batches, longest samples first.

@@ -1,6 +1,6 @@
 """A micro-batch packed padding-free (``data.use_sequence_packing`` / ``use_remove_padding``):
 its sequences back to back in a few rows, per-sequence position ids, attention never crossing a
-sequence. docs/internals.md#rlmeshlearnerpacking"""
+sequence. docs/internals.md#rlmeshlearnerpacked_layout"""
 
 from __future__ import annotations
 

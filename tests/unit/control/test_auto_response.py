@@ -4,7 +4,7 @@ rate limit per rule, and which alerts call for which remedy."""
 import pytest
 
 from rlmesh.config.rlmesh_section import AutoResponseConfig
-from rlmesh.control.policy import GRAD_NORM_HIGH, KL_HIGH, AutoResponder, kl_reading, rule_of_alert
+from rlmesh.control.auto_response import GRAD_NORM_HIGH, KL_HIGH, AutoResponder, kl_reading, rule_of_alert
 
 HPARAMS = {"kl_coef": 0.1, "kl_loss_coef": 0.001, "actor_lr": 1e-4}
 

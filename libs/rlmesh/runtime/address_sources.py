@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from rlmesh.config.addresses import check_address
+from rlmesh.config.address_checks import check_address
 
 log = logging.getLogger("rlmesh.client")
 

@@ -146,7 +146,7 @@ def _default_cell(value: Any) -> str:
 
 
 def keys_markdown_table(include_compat: bool = True) -> str:
-    """Markdown for the README: a table of every key with type, default and description, then a
+    """Markdown for docs/config.md: a table of every key with type, default and description, then a
     second table of the verl keys that load but do nothing, each with the reason
     (:mod:`rlmesh.config.ignored`).
     """
