@@ -38,18 +38,19 @@ def test_the_offloaded_step_runs_on_its_threads_and_gives_them_back():
     assert seen == [before] * 3  # not offloaded: the rank's own threads
 
 
-def test_a_zero_engine_with_offloaded_optimizer_states_steps_them_with_cpu_adam(tiny_model_dir):
+def test_a_zero_engine_with_offloaded_optimizer_states_steps_them_with_cpu_adam(tmp_path):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from rlmesh.config import EngineSettings
     from rlmesh.learner.deepspeed_engine import build_engine
     from rlmesh.learner.dist import init_distributed
     from rlmesh.learner.model_loading import load_actor_model
+    from tests.support.learner import tiny_model
 
     init_distributed()
     settings = EngineSettings(zero_stage=1, offload_param=False, offload_optimizer=True, dtype="float32")
     engine, optimizer = build_engine(
-        load_actor_model(str(tiny_model_dir)),
+        load_actor_model(str(tiny_model(tmp_path / "model"))),
         OptimConfig(lr=1e-2),
         settings,
         1.0,
