@@ -294,7 +294,7 @@ def start_stack(
             stack.attached[service] = list(section.addresses)
             say(f"{service:<12} {', '.join(section.addresses)} (given: not started here)")
         elif service in services:
-            port = free_port(section.client_addresses()[0].rsplit(":", 1)[0])
+            port = free_port(section.host)  # free where the service binds, wildcard or not
             address = section.model_copy(update={"port": port}).client_addresses()[0]
             stack.overrides.append(f"rlmesh.{service}.addresses=['{address}']")
             requests.append(request(service, service, [f"rlmesh.{service}.port={port}"], ""))

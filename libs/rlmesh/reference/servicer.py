@@ -76,7 +76,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
     async def LogProbs(
         self, request: reference_pb2.LogProbsRequest, context: grpc.aio.ServicerContext
     ) -> reference_pb2.LogProbsResponse:
-        from rlmesh.reference.compute import Cancelled, InvalidRequestError
+        from rlmesh.reference.compute import Cancelled
+        from rlmesh.runtime.invalid_request import InvalidRequestError
 
         samples = request.samples
         if self.model is None:

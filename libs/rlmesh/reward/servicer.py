@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from rlmesh.reward.samples import InvalidRequestError
 from rlmesh.reward.scorer import RewardScorer
+from rlmesh.runtime.invalid_request import InvalidRequestError
 from rlmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name

@@ -18,8 +18,8 @@ from rlmesh.reward.function_loader import (
     builtin_function,
     load_reward_function,
 )
-from rlmesh.reward.samples import InvalidRequestError
 from rlmesh.reward.scorer import RewardScorer
+from rlmesh.runtime.invalid_request import InvalidRequestError
 from rlmesh.v1 import common_pb2, reward_pb2
 
 Code = common_pb2.ErrorCode
