@@ -56,7 +56,7 @@ def test_ctl_finds_a_running_job_without_being_told_where(tmp_path, monkeypatch)
         assert out.returncode == 0 and out.stdout.startswith(f"run {run_id}: step 0/{STEPS}"), out.stderr
         out = ctl("status", cwd=run_dir, RLMESH_RUNS_DIR=nowhere)
         assert out.returncode == 0 and out.stdout.startswith(f"run {run_id}: "), out.stderr
-        out = ctl("status")  # the line docs/operations.md shows, from the repository's root
+        out = ctl("status")  # the line README.md shows, from the repository's root
         assert out.returncode == 0 and out.stdout.startswith(f"run {run_id}: "), out.stderr
         # Held by its start_paused, and said so, once: by the job and by ctl.
         job.wait_for(r"^\[train\] learner: paused since start \(rlmesh\.learner\.start_paused=true\)", 120)

@@ -58,7 +58,7 @@ def test_ctl_finds_the_run_from_its_config_its_directory_and_anywhere(job, tmp_p
     assert out.returncode == 0 and out.stdout.startswith(f"run {job.run_id}: step 0/"), out.stderr
     out = ctl("status", cwd=Path(ckpt), RLMESH_RUNS_DIR=nowhere)
     assert out.returncode == 0 and out.stdout.startswith(f"run {job.run_id}: "), out.stderr
-    out = ctl("status")  # the line docs/operations.md shows: the only job running
+    out = ctl("status")  # the line README.md shows: the only job running
     assert out.returncode == 0 and out.stdout.startswith(f"run {job.run_id}: "), out.stderr
 
 
