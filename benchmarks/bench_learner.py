@@ -47,11 +47,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
 from rlmesh.config import EngineSettings, OptimConfig
-from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import init_distributed
-from rlmesh.learner.forward import MicroBatch, actor_forward, critic_forward
-from rlmesh.learner.model_loading import load_actor_model, load_critic_model
-from rlmesh.learner.weight_buckets import iter_weight_buckets
+from rlmesh.learner.ppo.deepspeed_engine import build_engine
+from rlmesh.learner.ppo.forward import MicroBatch, actor_forward, critic_forward
+from rlmesh.learner.ppo.model_loading import load_actor_model, load_critic_model
+from rlmesh.learner.weight_sync.full_weights import iter_weight_buckets
 from rlmesh.models import build_tiny_model, build_tokenizer
 
 

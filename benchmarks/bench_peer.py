@@ -616,7 +616,7 @@ def supervised_warmup(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlmesh.learner.hf_dir import copy_tokenizer
+    from rlmesh.learner.checkpoints.hf_dir import copy_tokenizer
     from rlmesh.learner.sft import collate_sft, sft_loss
 
     torch.manual_seed(seed)

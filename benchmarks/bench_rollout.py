@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import WeightPusher
+from rlmesh.learner.weight_sync.push import WeightPusher
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.runtime.launcher import ProcessLauncher
 

@@ -150,7 +150,7 @@ def cmd_sft(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
-    from rlmesh.learner.export import main as export_main
+    from rlmesh.learner.checkpoints.export import main as export_main
 
     return export_main(rest)
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.learner.dist import shutdown_distributed
-from rlmesh.learner.ranks import LocalRanks, follower_main
-from rlmesh.learner.run import LearnerRun
-from rlmesh.learner.servicer import LearnerServicer
+from rlmesh.learner.run.learner_run import LearnerRun
+from rlmesh.learner.run.ranks import LocalRanks, follower_main
+from rlmesh.learner.run.servicer import LearnerServicer
 from rlmesh.runtime.entry import service_main
 from rlmesh.runtime.server import GrpcService
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc

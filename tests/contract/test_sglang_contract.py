@@ -20,8 +20,8 @@ from transformers import Qwen2Config
 
 from rlmesh.config.loader import load_config
 from rlmesh.engine.client import FLATTENED_BUCKET_SINCE, EngineClient, EngineError, engine_device_of
-from rlmesh.learner.weight_links import EngineLink
-from rlmesh.learner.weight_verify import check_engines
+from rlmesh.learner.weight_sync.links import EngineLink
+from rlmesh.learner.weight_sync.verify import check_engines
 from rlmesh.rollout.engines import sglang_launch_argv, weight_sync_ranks_of
 from rlmesh.rollout.replica import sampling_defaults, sglang_extra_args
 from rlmesh.rollout.sampler import sampling_dict

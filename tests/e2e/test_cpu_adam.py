@@ -4,7 +4,7 @@ torch's AdamW (in `make test-e2e`: compiling the op on first use takes one to tw
 import torch
 
 from rlmesh.config import OptimConfig
-from rlmesh.learner.deepspeed_engine import build_optimizer
+from rlmesh.learner.ppo.deepspeed_engine import build_optimizer
 
 
 def stepped(offload: bool, threads: int = 2) -> tuple[torch.optim.Optimizer, torch.Tensor, list[int]]:
@@ -42,9 +42,9 @@ def test_a_zero_engine_with_offloaded_optimizer_states_steps_them_with_cpu_adam(
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from rlmesh.config import EngineSettings
-    from rlmesh.learner.deepspeed_engine import build_engine
     from rlmesh.learner.dist import init_distributed
-    from rlmesh.learner.model_loading import load_actor_model
+    from rlmesh.learner.ppo.deepspeed_engine import build_engine
+    from rlmesh.learner.ppo.model_loading import load_actor_model
     from tests.support.learner import tiny_model
 
     init_distributed()

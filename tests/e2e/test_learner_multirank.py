@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlmesh.learner import latest_checkpoint
-from rlmesh.learner.export import export_checkpoint
+from rlmesh.learner.checkpoints.export import export_checkpoint
 from rlmesh.queue import ROLLOUT_GROUP, RunKeys
 from rlmesh.runtime.launcher import LearnerRanks, ProcessLauncher
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grpc

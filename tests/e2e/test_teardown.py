@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from rlmesh.job.train import ACTOR_DIR, run_job
-from rlmesh.learner.export import export_checkpoint
+from rlmesh.learner.checkpoints.export import export_checkpoint
 from tests.support.jobs import make_files, overrides
 from tests.support.processes import pid_alive
 from tests.support.repo import CPU_DEMO

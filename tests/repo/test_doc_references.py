@@ -1,5 +1,5 @@
 """README.md and docs/*.md name only paths and modules that exist: a file moved or a module
-renamed (``training/`` into ``learner/``, ``weights/push.py`` to ``learner/weight_push.py``) fails
+renamed (``training/`` into ``learner/``, ``weights/push.py`` to ``learner/weight_sync/push.py``) fails
 here until the docs follow."""
 
 from __future__ import annotations
@@ -143,13 +143,13 @@ def test_modules_named_in_the_docs_exist(doc):
     ("name", "ok"),
     [
         ("rlmesh.job.stack.start_stack", True),
-        ("rlmesh.learner.weight_push", True),
+        ("rlmesh.learner.weight_sync.push", True),
         ("rlmesh.reward.addresses", True),  # a config key, and a module
         ("rlmesh.weight_sync.load_format", True),  # a config key
         ("rlmesh.services", True),  # the entry-point group
         ("rlmesh.v1.Learner", True),  # a proto service
         ("rlmesh.training.loop", False),  # merged into rlmesh.learner
-        ("rlmesh.weights.push", False),  # now rlmesh.learner.weight_push
+        ("rlmesh.weights.push", False),  # now rlmesh.learner.weight_sync.push
         ("rlmesh.runtime.stack", False),  # now rlmesh.job.stack
         ("rlmesh.rollout.policy", False),  # now rlmesh.queue.policy
         ("rlmesh.data.sampler", False),  # now rlmesh.data.cursor

@@ -68,7 +68,7 @@ def test_a_shared_name_is_caught(tmp_path):
         "queue/policy.py",
         "learner/__init__.py",
         "learner/models.py",
-        "learner/servicer.py",
+        "learner/run/servicer.py",
         "models/__init__.py",
         "models/tiny.py",
     ):

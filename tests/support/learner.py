@@ -236,8 +236,8 @@ async def feeder_and_collector(redis, keys, items, *, batch_size: int, n: int, k
     """A PromptFeeder over ``items`` (in order) and a BatchCollector that wants what it feeds, as the
     learner's loop wires them, on real Redis streams."""
     from rlmesh.data import PromptCursor
-    from rlmesh.learner.collect import BatchCollector
-    from rlmesh.learner.feeder import PromptFeeder
+    from rlmesh.learner.run.collect import BatchCollector
+    from rlmesh.learner.run.feeder import PromptFeeder
     from rlmesh.queue import TrajectoryCollector, prompt_queue, trajectory_queue
 
     prompts = prompt_queue(redis, keys, "learner")

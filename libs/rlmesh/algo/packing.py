@@ -1,6 +1,6 @@
 """Padding-free sequence packing: sequences back to back in a few rows, attention kept inside each.
 
-docs/internals.md#rlmeshlearnerpacked_layout"""
+docs/internals.md#rlmeshlearnerppopacked_layout"""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ IGNORED: tuple[tuple[str, str], ...] = (
     ("*.data_loader_seed", "the prompt order is data.seed's (a resumable cursor), not a data-loader seed"),
     (
         "*.checkpoint",
-        "a checkpoint always holds model, optimizer and extra state (rlmesh.learner.checkpoint)",
+        "a checkpoint always holds model, optimizer and extra state (rlmesh.learner.checkpoints.store)",
     ),
     ("*.router_replay", "mixture-of-experts routing replay is not implemented"),
     ("*.mtp", "multi-token prediction is not implemented"),

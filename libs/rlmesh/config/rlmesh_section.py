@@ -108,7 +108,7 @@ class RewardServiceConfig(ServiceConfig):
         "and of the validation score (its group trains on fewer samples). Either way it counts in "
         "reward/failed_ratio (docs/train.md#when-the-reward-fails)",
     )
-    # Bounded as the learner bounds any score (rlmesh.learner.batch.MAX_ABS_SCORE).
+    # Bounded as the learner bounds any score (rlmesh.learner.ppo.batch.MAX_ABS_SCORE).
     error_score: float = Field(
         0.0,
         ge=-1e6,

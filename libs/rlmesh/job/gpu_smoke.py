@@ -61,8 +61,8 @@ def deepspeed_step(workdir: Path) -> dict[str, Any]:
     import torch
 
     from rlmesh.config import EngineSettings, OptimConfig
-    from rlmesh.learner.deepspeed_engine import build_engine
     from rlmesh.learner.dist import init_distributed
+    from rlmesh.learner.ppo.deepspeed_engine import build_engine
     from rlmesh.models import build_tiny_model, build_tokenizer
 
     path = build_tiny_model(workdir / "model", build_tokenizer(words=["a"]), hidden_size=64, num_layers=2)

@@ -450,7 +450,7 @@ class _Checks:
                 self.report.checked.append(f"resume: nothing in {root}, the run starts at step 0")
                 return
             self.say(f"looking for a checkpoint in {root}")
-            from rlmesh.learner.checkpoint import latest_checkpoint
+            from rlmesh.learner.checkpoints.store import latest_checkpoint
 
             path = latest_checkpoint(root)
             if path is None:
@@ -459,7 +459,7 @@ class _Checks:
                 )
                 return
         else:
-            from rlmesh.learner.checkpoint import is_complete
+            from rlmesh.learner.checkpoints.store import is_complete
 
             path = str(trainer.resume_from_path)
             if not is_complete(path):
@@ -479,7 +479,7 @@ class _Checks:
             self.report.finished = FinishedRun(path, step, total, why, trainer.resume_mode)
 
     def checkpoint_step(self, path: str) -> int | None:
-        from rlmesh.learner.checkpoint import checkpoint_step
+        from rlmesh.learner.checkpoints.store import checkpoint_step
 
         try:
             return checkpoint_step(path)

@@ -223,7 +223,7 @@ class PausedTime:
 
 
 # The learner's phases once its run is over and it has let go of the replicas, the reward and
-# Redis (rlmesh.learner.loop sets them last): what is left is its process's own exit.
+# Redis (rlmesh.learner.run.loop sets them last): what is left is its process's own exit.
 RUN_OVER = ("LEARNER_PHASE_FINISHED", "LEARNER_PHASE_STOPPING")
 
 
@@ -316,7 +316,7 @@ def follow_learner(
 
 def checkpoint_line(checkpoint_dir: Path) -> str:
     """Which checkpoint running the same command again resumes from (trainer.resume_mode=auto)."""
-    from rlmesh.learner.checkpoint import checkpoint_step, latest_checkpoint
+    from rlmesh.learner.checkpoints.store import checkpoint_step, latest_checkpoint
 
     path = latest_checkpoint(str(checkpoint_dir))
     if path is None:
@@ -477,8 +477,8 @@ def write_outputs(result: JobResult, export: bool, *, plot_too: bool = True, out
     HF directory (``out``, default ``<checkpoint dir>/actor-hf``), in this process; ``result``
     records them."""
     # Not `rlmesh.learner`'s package exports: those import the trainer and DeepSpeed (seconds).
-    from rlmesh.learner.checkpoint import latest_checkpoint
-    from rlmesh.learner.export import export_checkpoint
+    from rlmesh.learner.checkpoints.export import export_checkpoint
+    from rlmesh.learner.checkpoints.store import latest_checkpoint
 
     if plot_too:
         plot(result.rows, result.checkpoint_dir / PLOT_FILE)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rlmesh.learner.batch import BatchError, PPOBatch, build_batch, validate_trajectory
-from rlmesh.learner.checkpoint import CheckpointError, latest_checkpoint
+from rlmesh.learner.checkpoints.store import CheckpointError, latest_checkpoint
+from rlmesh.learner.ppo.batch import BatchError, PPOBatch, build_batch, validate_trajectory
 
 if TYPE_CHECKING:
     from rlmesh.learner.sft import run_sft

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.algo import logprobs_from_logits
-from rlmesh.learner.hf_dir import copy_tokenizer
+from rlmesh.learner.checkpoints.hf_dir import copy_tokenizer
 
 __all__ = [
     "DEFAULT_TARGET_KEY",

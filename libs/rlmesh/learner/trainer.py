@@ -25,19 +25,24 @@ from rlmesh.algo import (
 )
 from rlmesh.config import RLMeshConfig
 from rlmesh.config.loader import dump_public_yaml
-from rlmesh.learner import checkpoint
-from rlmesh.learner.actor import DeepSpeedPPOActor
-from rlmesh.learner.batch import BatchError, PPOBatch, batch_metrics, staleness_metrics
-from rlmesh.learner.colocated_reference import ColocatedReference, colocated_reference
-from rlmesh.learner.critic import DeepSpeedPPOCritic
-from rlmesh.learner.deepspeed_engine import build_engine
+from rlmesh.learner.checkpoints.hf_dir import write_hf_dir
+from rlmesh.learner.checkpoints.store import Engines, load_checkpoint, save_checkpoint
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
-from rlmesh.learner.forward import greedy_generate
-from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.model_loading import first_policy_version, hf_model, load_actor_model, load_critic_model
-from rlmesh.learner.overlap import Phase, PhaseRunner
-from rlmesh.learner.schedule import build_lr_scheduler, set_base_lr
-from rlmesh.learner.weight_buckets import iter_weight_buckets
+from rlmesh.learner.ppo.actor import DeepSpeedPPOActor
+from rlmesh.learner.ppo.batch import BatchError, PPOBatch, batch_metrics, staleness_metrics
+from rlmesh.learner.ppo.colocated_reference import ColocatedReference, colocated_reference
+from rlmesh.learner.ppo.critic import DeepSpeedPPOCritic
+from rlmesh.learner.ppo.deepspeed_engine import build_engine
+from rlmesh.learner.ppo.forward import greedy_generate
+from rlmesh.learner.ppo.model_loading import (
+    first_policy_version,
+    hf_model,
+    load_actor_model,
+    load_critic_model,
+)
+from rlmesh.learner.ppo.overlap import Phase, PhaseRunner
+from rlmesh.learner.ppo.schedule import build_lr_scheduler, set_base_lr
+from rlmesh.learner.weight_sync.full_weights import iter_weight_buckets
 
 __all__ = ["PPOTrainer"]
 
@@ -467,7 +472,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _engines(self) -> checkpoint.Engines:
+    def _engines(self) -> Engines:
         engines = [("actor", self.actor.engine, self.actor.scheduler)]
         if self.critic is not None:
             engines.append(("critic", self.critic.engine, self.critic.scheduler))
@@ -475,7 +480,7 @@ class PPOTrainer:
 
     def save_checkpoint(self, path: str, extra_state: dict[str, Any]) -> None:
         """Save everything needed to resume into ``path``, atomically (``path.tmp-<pid>``, then
-        ``COMPLETE``, then a rename; see :mod:`rlmesh.learner.checkpoint`). Collective: every rank
+        ``COMPLETE``, then a rename; see :mod:`rlmesh.learner.checkpoints.store`). Collective: every rank
         calls it with the same arguments.
 
         Args:
@@ -502,7 +507,7 @@ class PPOTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
         # A checkpoint is no place for secrets.
-        checkpoint.save_checkpoint(path, self._engines(), state, dump_public_yaml(self.config))
+        save_checkpoint(path, self._engines(), state, dump_public_yaml(self.config))
         log.info("checkpoint saved: %s", path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
@@ -514,7 +519,7 @@ class PPOTrainer:
             CheckpointError: ``path`` is incomplete, or from a run with another world size or
                 other ZeRO stages.
         """
-        state = checkpoint.load_checkpoint(path, self._engines())
+        state = load_checkpoint(path, self._engines())
         self.global_steps = int(state["global_steps"])
         self.actor.skipped_steps = int(state["skipped_steps"]["actor"])
         if self.critic is not None:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import rlmesh.learner.weight_payload as payload_module
-import rlmesh.learner.weight_push as push_module
+import rlmesh.learner.weight_sync.payload as payload_module
+import rlmesh.learner.weight_sync.push as push_module
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import WeightPusher, WeightPushError
+from rlmesh.learner.weight_sync.push import WeightPusher, WeightPushError
 from rlmesh.weights.bucket import flatten_tensors, layout, tensor_views
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, program

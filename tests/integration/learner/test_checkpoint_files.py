@@ -10,8 +10,8 @@ import torch
 
 from rlmesh.config import load_config
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.checkpoint import load_tensors
-from rlmesh.learner.export import export_checkpoint
+from rlmesh.learner.checkpoints.export import export_checkpoint
+from rlmesh.learner.checkpoints.store import load_tensors
 from tests.support.learner import PAD, make_config, make_trajectories
 
 TOKEN = "tok-checkpoint-0123456789"

@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from rlmesh.learner.batch import validate_trajectory
-from rlmesh.learner.collect import BatchCollector
-from rlmesh.learner.feeder import PromptFeeder, group_uid, incarnation_of
+from rlmesh.learner.ppo.batch import validate_trajectory
+from rlmesh.learner.run.collect import BatchCollector
+from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.queue.signing import signer_for
 from rlmesh.runtime.launcher import ProcessLauncher

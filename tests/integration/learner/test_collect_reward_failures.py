@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from rlmesh.learner.batch import validate_trajectory
-from rlmesh.learner.collect import BatchCollector
-from rlmesh.learner.feeder import group_uid
+from rlmesh.learner.ppo.batch import validate_trajectory
+from rlmesh.learner.run.collect import BatchCollector
+from rlmesh.learner.run.feeder import group_uid
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
 from rlmesh.reward.failures import RewardErrorRule, RewardFailed
 from rlmesh.reward.function_loader import load_reward_function

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.partition import plan_micro_batches
+from rlmesh.learner.ppo.partition import plan_micro_batches
 from tests.support.learner import PAD, first_step_gradient, make_config, make_trajectories, module_state
 
 

@@ -10,8 +10,8 @@ import uuid
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rlmesh.learner.dynamic_sampling import DynamicSamplingError, GenBatches, GroupFilter, draw_in_place
-from rlmesh.learner.feeder import index_of
+from rlmesh.learner.run.dynamic_sampling import DynamicSamplingError, GenBatches, GroupFilter, draw_in_place
+from rlmesh.learner.run.feeder import index_of
 from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from rlmesh.config import EngineSettings, OptimConfig
-from rlmesh.learner.deepspeed_engine import build_engine
 from rlmesh.learner.dist import init_distributed
-from rlmesh.learner.model_loading import load_actor_model
+from rlmesh.learner.ppo.deepspeed_engine import build_engine
+from rlmesh.learner.ppo.model_loading import load_actor_model
 
 SETTINGS = EngineSettings(zero_stage=0, offload_param=False, offload_optimizer=False, dtype="float32")
 

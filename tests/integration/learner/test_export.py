@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.learner import PPOTrainer, build_batch, latest_checkpoint
-from rlmesh.learner.export import main as export_main
+from rlmesh.learner.checkpoints.export import main as export_main
 from tests.support.learner import PAD, make_config, make_trajectories
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [70, 71, 72, 73, 74, 75, 76]]

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner import PPOTrainer
-from rlmesh.learner.model_loading import load_actor_model
-from rlmesh.learner.weight_push import WeightPusher
+from rlmesh.learner.ppo.model_loading import load_actor_model
+from rlmesh.learner.weight_sync.push import WeightPusher
 from rlmesh.runtime.launcher import ProcessLauncher
 from tests.support.learner import actor_state, make_config
 

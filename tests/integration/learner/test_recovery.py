@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from rlmesh.learner.recovery import LostGroupRecovery
+from rlmesh.learner.run.recovery import LostGroupRecovery
 from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2

@@ -16,11 +16,11 @@ import torch
 from rlmesh.config import ActorConfig, CriticConfig, load_config
 from rlmesh.config.errors import ConfigError
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.actor import DeepSpeedPPOActor
-from rlmesh.learner.critic import DeepSpeedPPOCritic
-from rlmesh.learner.forward import actor_forward, critic_forward, slice_micro_batch, token_cost_in_pairs
-from rlmesh.learner.model_loading import load_actor_model, load_critic_model
-from rlmesh.learner.packed_layout import packed_layout
+from rlmesh.learner.ppo.actor import DeepSpeedPPOActor
+from rlmesh.learner.ppo.critic import DeepSpeedPPOCritic
+from rlmesh.learner.ppo.forward import actor_forward, critic_forward, slice_micro_batch, token_cost_in_pairs
+from rlmesh.learner.ppo.model_loading import load_actor_model, load_critic_model
+from rlmesh.learner.ppo.packed_layout import packed_layout
 from rlmesh.reference import ReferenceModel, compute_ref_log_probs, token_budget_micro_batches
 from rlmesh.v1.trajectory_pb2 import Trajectory
 from tests.support.learner import PAD, TIMING_PREFIXES, make_config, module_state

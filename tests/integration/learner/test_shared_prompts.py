@@ -1,4 +1,4 @@
-"""Samples of one prompt run it once (rlmesh.learner.forward.shared_prompt_layout): log-probs,
+"""Samples of one prompt run it once (rlmesh.learner.ppo.forward.shared_prompt_layout): log-probs,
 entropies, values, gradients and whole PPO steps equal those of the padded layout.
 
 Tolerance, fp32: 1e-5 absolute on log-probs/entropies/values; on each gradient tensor a difference
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.forward import (
+from rlmesh.learner.ppo.forward import (
     actor_forward,
     critic_forward,
     shared_prompt_layout,
     slice_micro_batch,
     token_cost_in_pairs,
 )
-from rlmesh.learner.model_loading import load_actor_model, load_critic_model
+from rlmesh.learner.ppo.model_loading import load_actor_model, load_critic_model
 from tests.support.learner import (
     PAD,
     TIMING_PREFIXES,

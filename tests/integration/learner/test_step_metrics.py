@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlmesh.learner import PPOTrainer, build_batch
-from rlmesh.learner.parallel import micro_batch_plan
-from rlmesh.learner.partition import mini_batches
+from rlmesh.learner.ppo.parallel import micro_batch_plan
+from rlmesh.learner.ppo.partition import mini_batches
 from tests.support.learner import PAD, make_config, make_trajectories
 
 MAX_RESPONSE = 16  # wider than any response make_trajectories draws (at most 8 tokens)

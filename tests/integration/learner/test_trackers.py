@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.learner.sinks import FileStoreNames, MetricsSinks, mlflow_name, public_config, wandb_mode
-from rlmesh.learner.validation import ValGeneration
+from rlmesh.learner.run.sinks import FileStoreNames, MetricsSinks, mlflow_name, public_config, wandb_mode
+from rlmesh.learner.run.validation import ValGeneration
 
 SECRET = "s3cret-t0ken-value"
 CONFIG = {

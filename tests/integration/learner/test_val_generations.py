@@ -9,8 +9,8 @@ import json
 import pytest
 
 from rlmesh.config import load_config
-from rlmesh.learner.sinks import VAL_GENERATIONS_FILE, MetricsSinks
-from rlmesh.learner.validation import run_validation, select_generations, val_sampling
+from rlmesh.learner.run.sinks import VAL_GENERATIONS_FILE, MetricsSinks
+from rlmesh.learner.run.validation import run_validation, select_generations, val_sampling
 from rlmesh.reward.failures import RewardErrorRule
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items

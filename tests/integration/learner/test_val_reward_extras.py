@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rlmesh.learner.validation import run_validation
+from rlmesh.learner.run.validation import run_validation
 from rlmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.data import prompt_items
 from tests.support.learner import serve_rollout

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlmesh.learner.export import export_checkpoint
+from rlmesh.learner.checkpoints.export import export_checkpoint
 from rlmesh.runtime.net import free_port
 from tests.support.learner import TIMING_PREFIXES, run_uneven_case, run_zero_case
 from tests.support.processes import PROGRAMS, child_env

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.batch import validate_trajectory
+from rlmesh.learner.ppo.batch import validate_trajectory
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.rollout.resilience import CircuitBreaker

@@ -39,7 +39,7 @@ def test_sglang_generate_and_weight_push(tmp_path):
     verify step would get a 400)."""
     from transformers import AutoModelForCausalLM
 
-    from rlmesh.learner.weight_push import WeightPusher
+    from rlmesh.learner.weight_sync.push import WeightPusher
     from rlmesh.models import build_tiny_model, build_tokenizer
     from rlmesh.rollout.engines import start_engine
     from rlmesh.runtime.launcher import ProcessLauncher

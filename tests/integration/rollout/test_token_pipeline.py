@@ -13,7 +13,7 @@ import pytest
 
 from rlmesh.engine.client import EngineClient, EngineError
 from rlmesh.job.report import engine_server_info
-from rlmesh.learner.weight_push import WeightPusher
+from rlmesh.learner.weight_sync.push import WeightPusher
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
 from rlmesh.queue.signing import SIGNED_PREFIX

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.config import load_config
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import WeightPusher, weight_master_address
+from rlmesh.learner.weight_sync.push import WeightPusher, weight_master_address
 from rlmesh.models import build_tiny_model, build_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect
 from rlmesh.runtime.health import grpc_health

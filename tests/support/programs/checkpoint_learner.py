@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from rlmesh.learner import build_batch, checkpoint, latest_checkpoint
+from rlmesh.learner import build_batch, latest_checkpoint
+from rlmesh.learner.checkpoints import store as checkpoint_store
 from tests.support.learner import PAD, ckpt_snapshot, ckpt_trainer, make_trajectories
 
 
@@ -40,7 +41,7 @@ def main() -> int:
             print("HALF", flush=True)
             time.sleep(3600)
 
-        checkpoint.finalize_checkpoint_dir = crash_before_complete
+        checkpoint_store.finalize_checkpoint_dir = crash_before_complete
         trainer.save_checkpoint(os.path.join(args.root, "global_step_2"), {"step": 2})
         return 1  # not reached: SIGKILL arrives while the second checkpoint is half-written
     path = latest_checkpoint(args.root)

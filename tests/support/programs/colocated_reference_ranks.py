@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def main(model: str, out_dir: Path, overrides: list[str]) -> int:
-    import rlmesh.learner.colocated_reference as colocated
+    import rlmesh.learner.ppo.colocated_reference as colocated
     from rlmesh.learner import build_batch
     from rlmesh.learner.dist import init_distributed, shutdown_distributed
     from tests.support.learner import PAD, make_config, make_trajectories

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_push import WeightPusher
+from rlmesh.learner.weight_sync.push import WeightPusher
 
 EXIT_CODE = 3
 

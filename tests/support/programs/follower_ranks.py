@@ -36,7 +36,7 @@ class FakeTrainer:
 def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     import torch.distributed as dist
 
-    from rlmesh.learner.commands import Followers, RankCommand, RankZeroLost, follow
+    from rlmesh.learner.run.commands import Followers, RankCommand, RankZeroLost, follow
 
     # The store has its own, long timeout: the two processes start (import torch) at their own
     # pace, and only the collectives are meant to have the short one.

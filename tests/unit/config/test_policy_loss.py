@@ -10,7 +10,7 @@ import pytest
 
 from rlmesh.algo import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 from rlmesh.config import ConfigError, ConfigWarning, load_config
-from rlmesh.learner.actor import policy_loss_kwargs
+from rlmesh.learner.ppo.actor import policy_loss_kwargs
 
 PL = "actor_rollout_ref.actor.policy_loss"
 ACTOR = "actor_rollout_ref.actor"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlmesh.learner.batch import (
+from rlmesh.learner.ppo.batch import (
     BatchError,
     batch_metrics,
     build_batch,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlmesh.learner.checkpoint import (
+from rlmesh.learner.checkpoints.store import (
     COMPLETE_MARKER,
     CheckpointError,
     capture_rng_state,
@@ -61,7 +61,7 @@ def test_finalize_renames_and_replaces(tmp_path):
 
 
 def test_prune_keeps_the_newest_and_removes_leftovers_of_dead_saves(tmp_path):
-    from rlmesh.learner.checkpoint import prune_checkpoints
+    from rlmesh.learner.checkpoints.store import prune_checkpoints
 
     for step in (2, 4, 10, 12):
         _complete(tmp_path / f"global_step_{step}")

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.learner.dynamic_sampling import (
+from rlmesh.learner.run.dynamic_sampling import (
     DynamicSamplingError,
     GenBatches,
     GroupFilter,

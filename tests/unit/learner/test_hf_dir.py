@@ -1,7 +1,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlmesh.learner.hf_dir import write_hf_dir
+from rlmesh.learner.checkpoints.hf_dir import write_hf_dir
 from rlmesh.models import build_tiny_model, build_tokenizer
 
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from rlmesh.learner.overlap import PhaseRunner
+from rlmesh.learner.ppo.overlap import PhaseRunner
 
 
 def test_overlapped_phases_run_at_once_each_with_its_share_of_threads():

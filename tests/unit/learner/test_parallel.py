@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlmesh.algo.losses import agg_loss
-from rlmesh.learner.parallel import global_loss_scale
+from rlmesh.learner.ppo.parallel import global_loss_scale
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

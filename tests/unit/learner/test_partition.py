@@ -1,6 +1,6 @@
 import pytest
 
-from rlmesh.learner.partition import (
+from rlmesh.learner.ppo.partition import (
     fixed_micro_batches,
     mini_batches,
     plan_micro_batches,

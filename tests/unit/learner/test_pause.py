@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from rlmesh.learner.loop import PAUSE_REQUEST, START_PAUSED, LoopState, TrainingLoop
-from rlmesh.learner.servicer import LearnerServicer
+from rlmesh.learner.run.loop import PAUSE_REQUEST, START_PAUSED, LoopState, TrainingLoop
+from rlmesh.learner.run.servicer import LearnerServicer
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from tests.support.polling import eventually
 

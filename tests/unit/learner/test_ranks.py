@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.learner.ranks import set_torch_threads
+from rlmesh.learner.run.ranks import set_torch_threads
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from rlmesh.learner.batch import (
+from rlmesh.learner.ppo.batch import (
     MAX_REWARD_EXTRA_KEYS,
     batch_metrics,
     build_batch,
@@ -17,7 +17,7 @@ from rlmesh.learner.batch import (
     reward_extra_metrics,
     reward_extra_name,
 )
-from rlmesh.learner.sinks import MetricsSinks
+from rlmesh.learner.run.sinks import MetricsSinks
 from rlmesh.v1.trajectory_pb2 import Trajectory
 
 

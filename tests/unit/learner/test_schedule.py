@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlmesh.config import OptimConfig
-from rlmesh.learner.schedule import build_lr_scheduler, lr_lambda, set_base_lr
+from rlmesh.learner.ppo.schedule import build_lr_scheduler, lr_lambda, set_base_lr
 
 
 def test_constant_with_warmup_is_verls():

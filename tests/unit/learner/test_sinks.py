@@ -4,7 +4,7 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from rlmesh.learner.sinks import MetricsSinks
+from rlmesh.learner.run.sinks import MetricsSinks
 
 
 def test_phase_timestamps_go_to_the_file_only_and_non_finite_values_nowhere(tmp_path, capsys):

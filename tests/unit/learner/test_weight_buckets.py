@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlmesh.learner.weight_buckets import iter_weight_buckets
+from rlmesh.learner.weight_sync.full_weights import iter_weight_buckets
 from rlmesh.models import build_tiny_model, build_tokenizer
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from rlmesh.engine.client import EngineClient, engine_device_of
-from rlmesh.learner.weight_links import weight_sync_backend
-from rlmesh.learner.weight_payload import aligned
-from rlmesh.learner.weight_push import WeightPusher
-from rlmesh.learner.weight_verify import VERIFY_ROWS, VerifySample, same_values
+from rlmesh.learner.weight_sync.links import weight_sync_backend
+from rlmesh.learner.weight_sync.payload import aligned
+from rlmesh.learner.weight_sync.push import WeightPusher
+from rlmesh.learner.weight_sync.verify import VERIFY_ROWS, VerifySample, same_values
 from rlmesh.weights.bucket import layout
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_links import EngineLink
-from rlmesh.learner.weight_verify import check_engines
+from rlmesh.learner.weight_sync.links import EngineLink
+from rlmesh.learner.weight_sync.verify import check_engines
 
 SGLANG_CANNOT_EXPORT = {"error": {"message": "Get parameter by name failed"}}
 

@@ -47,7 +47,7 @@ def test_dataset_prompts_are_rendered_with_the_custom_template(tmp_path, tokeniz
 
 
 def test_the_learner_renders_training_and_validation_prompts_with_it(tmp_path, tokenizer_dir):
-    from rlmesh.learner.loop import TrainingLoop
+    from rlmesh.learner.run.loop import TrainingLoop
 
     train = write(tmp_path / "train.parquet", [row(MESSAGES)] * 4)
     val = write(tmp_path / "val.parquet", [row([{"role": "user", "content": "2+2?"}])])

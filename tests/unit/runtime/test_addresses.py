@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.learner.weight_push import weight_master_address
+from rlmesh.learner.weight_sync.push import weight_master_address
 from rlmesh.runtime.launcher import dial_address
 from rlmesh.runtime.net import (
     ENV_ADVERTISE_HOST,

@@ -11,7 +11,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from rlmesh.learner.weight_links import store_socket
+from rlmesh.learner.weight_sync.links import store_socket
 from rlmesh.weights.group import destroy_process_group, init_custom_process_group, listen_socket
 from tests.support.processes import child_env
 from tests.support.repo import REPO

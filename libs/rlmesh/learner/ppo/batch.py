@@ -1,6 +1,6 @@
 """Trajectories to padded tensors, laid out as verl's ``DataProto.batch`` is; bad samples refused.
 
-docs/internals.md#rlmeshlearnerbatch"""
+docs/internals.md#rlmeshlearnerppobatch"""
 
 from __future__ import annotations
 

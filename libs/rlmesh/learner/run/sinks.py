@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from prometheus_client import CollectorRegistry, Gauge
 
 from rlmesh.config.secrets import public_config
-from rlmesh.learner.validation import ValGeneration
+from rlmesh.learner.run.validation import ValGeneration
 
 log = logging.getLogger("rlmesh.learner")
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from rlmesh.learner.batch import PPOBatch
-from rlmesh.learner.forward import require_packable
-from rlmesh.learner.parallel import micro_batch_plan
-from rlmesh.learner.partition import mini_batches
+from rlmesh.learner.ppo.batch import PPOBatch
+from rlmesh.learner.ppo.forward import require_packable
+from rlmesh.learner.ppo.parallel import micro_batch_plan
+from rlmesh.learner.ppo.partition import mini_batches
 
 __all__ = ["PPOWorker", "UpdateStats", "clip_and_step", "epoch_order", "step_scheduler"]
 
@@ -88,9 +88,9 @@ class PPOWorker:
     seed: the shuffle seed.
     device: where micro-batches go.
     share_prompts: run a prompt once for all its samples in a micro-batch where that costs less
-        (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
+        (``rlmesh.learner.ppo.forward.shared_prompt_layout``; equal outputs up to float rounding).
     balance_batch: ``trainer.balance_batch``, the ranks' shares even in tokens.
-    pack: micro-batches run padding-free (``rlmesh.learner.packed_layout``); ValueError at once, naming
+    pack: micro-batches run padding-free (``rlmesh.learner.ppo.packed_layout``); ValueError at once, naming
         ``pack_key``, when the model cannot.
     """
 

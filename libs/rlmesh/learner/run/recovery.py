@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from rlmesh.learner.collect import BatchCollector
-from rlmesh.learner.feeder import PromptFeeder
+from rlmesh.learner.run.collect import BatchCollector
+from rlmesh.learner.run.feeder import PromptFeeder
 
 log = logging.getLogger("rlmesh.learner")
 

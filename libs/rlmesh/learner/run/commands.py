@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from rlmesh.algo.kl import KLController
-    from rlmesh.learner.batch import PPOBatch
+    from rlmesh.learner.ppo.batch import PPOBatch
     from rlmesh.learner.trainer import PPOTrainer
 
 log = logging.getLogger("rlmesh.learner")

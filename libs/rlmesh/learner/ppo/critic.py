@@ -9,17 +9,17 @@ import torch
 
 from rlmesh.algo import compute_value_loss, masked_mean
 from rlmesh.config import CriticConfig
-from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, critic_forward, rows_of, slice_micro_batch
-from rlmesh.learner.parallel import (
+from rlmesh.learner.ppo.batch import PPOBatch
+from rlmesh.learner.ppo.forward import MicroBatch, critic_forward, rows_of, slice_micro_batch
+from rlmesh.learner.ppo.parallel import (
     MetricSums,
     forward_without_grad,
     global_loss_scale,
     micro_batch_plan,
     mini_batch_counts,
 )
-from rlmesh.learner.ppo_worker import PPOWorker, UpdateStats, step_scheduler
+from rlmesh.learner.ppo.ppo_worker import PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOCritic"]
 
@@ -27,8 +27,8 @@ __all__ = ["DeepSpeedPPOCritic"]
 class DeepSpeedPPOCritic(PPOWorker):
     """Args: the critic's DeepSpeed engine and lr scheduler, ``critic`` config, samples per prompt,
     the constant length of ``seq-mean-token-sum-norm``, the shuffle seed, the device, and
-    ``share_prompts`` (as :class:`rlmesh.learner.actor.DeepSpeedPPOActor`'s). Its micro-batches
-    run padding-free when ``config.model.use_remove_padding`` (``rlmesh.learner.packed_layout``)."""
+    ``share_prompts`` (as :class:`rlmesh.learner.ppo.actor.DeepSpeedPPOActor`'s). Its micro-batches
+    run padding-free when ``config.model.use_remove_padding`` (``rlmesh.learner.ppo.packed_layout``)."""
 
     def __init__(
         self,

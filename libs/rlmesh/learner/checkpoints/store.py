@@ -275,7 +275,7 @@ def load_checkpoint(path: str | os.PathLike[str], engines: Engines) -> dict[str,
             partitions do not reshard) or other ZeRO stages, or in format 1 (a pickled RNG state).
     """
     from rlmesh.learner.dist import barrier, rank, world_size
-    from rlmesh.learner.schedule import set_base_lr
+    from rlmesh.learner.ppo.schedule import set_base_lr
 
     base = Path(path)
     if not is_complete(base):

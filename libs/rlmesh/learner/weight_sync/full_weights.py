@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 
-from rlmesh.learner.model_loading import hf_model, is_peft
+from rlmesh.learner.ppo.model_loading import hf_model, is_peft
 
 __all__ = ["PushUnit", "iter_weight_buckets", "push_units"]
 

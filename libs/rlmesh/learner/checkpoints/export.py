@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from rlmesh.learner.checkpoint import (
+from rlmesh.learner.checkpoints.hf_dir import write_hf_dir
+from rlmesh.learner.checkpoints.store import (
     CheckpointError,
     is_complete,
     latest_checkpoint,
     load_tensors,
     weights_only_loads,
 )
-from rlmesh.learner.hf_dir import write_hf_dir
-from rlmesh.learner.model_loading import DTYPES, load_actor_model
-from rlmesh.learner.weight_buckets import iter_weight_buckets
+from rlmesh.learner.ppo.model_loading import DTYPES, load_actor_model
+from rlmesh.learner.weight_sync.full_weights import iter_weight_buckets
 
 __all__ = ["export_checkpoint", "main"]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import all_reduce_sum, rank, world_size
-from rlmesh.learner.forward import MicroBatch, pad_to_width, slice_micro_batch
-from rlmesh.learner.partition import plan_micro_batches
+from rlmesh.learner.ppo.batch import PPOBatch
+from rlmesh.learner.ppo.forward import MicroBatch, pad_to_width, slice_micro_batch
+from rlmesh.learner.ppo.partition import plan_micro_batches
 
 __all__ = ["MetricSums", "forward_without_grad", "global_loss_scale", "micro_batch_plan", "mini_batch_counts"]
 
@@ -72,7 +72,7 @@ def micro_batch_plan(
     max_token_len: int | None,
     balance: bool = True,
 ) -> list[list[int]]:
-    """This rank's micro-batches of ``rows`` (see :func:`rlmesh.learner.partition.plan_micro_batches`);
+    """This rank's micro-batches of ``rows`` (see :func:`rlmesh.learner.ppo.partition.plan_micro_batches`);
     ``balance``: ``trainer.balance_batch``, the ranks' shares even in tokens."""
     return plan_micro_batches(
         rows,

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.learner.weight_links import EngineLink
+from rlmesh.learner.weight_sync.links import EngineLink
 
 log = logging.getLogger("rlmesh.weights")
 

@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from rlmesh.config.hparams import HPARAMS, in_range, range_text
-from rlmesh.learner.loop import TrainingLoop
+from rlmesh.learner.run.loop import TrainingLoop
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger("rlmesh.learner")

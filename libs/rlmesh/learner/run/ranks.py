@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from rlmesh.config import ConfigError, RLMeshConfig, load_config
-from rlmesh.learner.commands import RankZeroLost, follow
 from rlmesh.learner.dist import shutdown_distributed
-from rlmesh.learner.loop import TrainingLoop
+from rlmesh.learner.run.commands import RankZeroLost, follow
+from rlmesh.learner.run.loop import TrainingLoop
 from rlmesh.learner.trainer import PPOTrainer
 from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.entry import limit_torch_threads, service_arg_parser

@@ -1,6 +1,6 @@
 """A micro-batch packed padding-free (``data.use_sequence_packing`` / ``use_remove_padding``):
 its sequences back to back in a few rows, per-sequence position ids, attention never crossing a
-sequence. docs/internals.md#rlmeshlearnerpacked_layout"""
+sequence. docs/internals.md#rlmeshlearnerppopacked_layout"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from rlmesh.algo.packing import pack_units, packed_cost, packing_plan
 
 if TYPE_CHECKING:
-    from rlmesh.learner.forward import MicroBatch
+    from rlmesh.learner.ppo.forward import MicroBatch
 
 __all__ = ["PackedLayout", "packed_layout"]
 

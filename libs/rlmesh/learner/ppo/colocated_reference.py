@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlmesh.learner.dist import all_reduce_sum, rank
-from rlmesh.learner.forward import actor_forward, pad_to_width, slice_micro_batch
-from rlmesh.learner.parallel import micro_batch_plan
+from rlmesh.learner.ppo.forward import actor_forward, pad_to_width, slice_micro_batch
+from rlmesh.learner.ppo.parallel import micro_batch_plan
 
 if TYPE_CHECKING:
     from rlmesh.config import RLMeshConfig
-    from rlmesh.learner.batch import PPOBatch
+    from rlmesh.learner.ppo.batch import PPOBatch
     from rlmesh.reference.compute import ReferenceModel
 
 __all__ = ["ColocatedReference", "colocated_reference"]

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from rlmesh.config import RLMeshConfig
-from rlmesh.learner.loop import TrainingLoop
-from rlmesh.learner.ranks import learner_env_defaults, make_trainer, set_torch_threads
+from rlmesh.learner.run.loop import TrainingLoop
+from rlmesh.learner.run.ranks import learner_env_defaults, make_trainer, set_torch_threads
 
 log = logging.getLogger("rlmesh.learner")
 

@@ -14,11 +14,11 @@ import torch
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_broadcast import push_bucket
-from rlmesh.learner.weight_cycle import each, update_cycle
-from rlmesh.learner.weight_links import EngineLink, build_group, close_link, drop_group, relink
-from rlmesh.learner.weight_payload import NamedTensors, Packer, aligned, buckets
-from rlmesh.learner.weight_verify import (
+from rlmesh.learner.weight_sync.broadcast import push_bucket
+from rlmesh.learner.weight_sync.cycle import each, update_cycle
+from rlmesh.learner.weight_sync.links import EngineLink, build_group, close_link, drop_group, relink
+from rlmesh.learner.weight_sync.payload import NamedTensors, Packer, aligned, buckets
+from rlmesh.learner.weight_sync.verify import (
     VERIFY_ROWS,
     VerifySample,
     check_engines,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from rlmesh.engine.client import EngineClient, EngineError
-from rlmesh.learner.weight_links import EngineLink
+from rlmesh.learner.weight_sync.links import EngineLink
 
 log = logging.getLogger("rlmesh.weights")
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from rlmesh.algo.diagnostics import process_validation_metrics
 from rlmesh.data import PromptItem
-from rlmesh.learner.batch import reward_extra_columns
+from rlmesh.learner.ppo.batch import reward_extra_columns
 from rlmesh.reward.failures import FailureTally, RewardErrorRule
 from rlmesh.runtime.auth import client_auth_interceptors
 from rlmesh.runtime.tls import aio_channel

@@ -1,6 +1,6 @@
 """Forward passes of one micro-batch: per-token log-probs/entropies (actor) and values (critic).
 
-docs/internals.md#rlmeshlearnerforward"""
+docs/internals.md#rlmeshlearnerppoforward"""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from rlmesh.algo import entropy_from_logits, logprobs_from_logits
 from rlmesh.algo.packing import PACKABLE_MODEL_TYPES, attention_mask_problem
-from rlmesh.learner.batch import PPOBatch
-from rlmesh.learner.model_loading import hf_model
-from rlmesh.learner.packed_layout import PackedLayout, packed_layout
+from rlmesh.learner.ppo.batch import PPOBatch
+from rlmesh.learner.ppo.model_loading import hf_model
+from rlmesh.learner.ppo.packed_layout import PackedLayout, packed_layout
 
 __all__ = [
     "SHARED_PROMPT_MODEL_TYPES",
@@ -234,7 +234,7 @@ def actor_forward(
     .. math:: \\log\\pi(y_j) = \\mathrm{log\\_softmax}(z_{P+j-1} / \\tau)_{y_j}, \\qquad
               H_j = H(\\mathrm{softmax}(z_{P+j-1} / \\tau))
 
-    With ``pack``, the micro-batch runs padding-free (:func:`rlmesh.learner.packed_layout.packed_layout`;
+    With ``pack``, the micro-batch runs padding-free (:func:`rlmesh.learner.ppo.packed_layout.packed_layout`;
     ValueError when the model cannot, :func:`packing_problem`). Else, with ``share_prompts``,
     samples of one prompt run it once (:func:`shared_prompt_layout`) when the model allows and that
     costs less. The outputs are the padded layout's up to float rounding either way.

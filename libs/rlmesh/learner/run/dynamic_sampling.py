@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from rlmesh.config.sections import SEQUENCE_REWARD_METRICS
-from rlmesh.learner.feeder import PromptFeeder
+from rlmesh.learner.run.feeder import PromptFeeder
 from rlmesh.queue import retry_redis_with_deadline
 from rlmesh.v1.trajectory_pb2 import Trajectory
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from rlmesh.learner.feeder import incarnation_of
+from rlmesh.learner.run.feeder import incarnation_of
 from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
 from rlmesh.reward.failures import FailureTally, RewardErrorRule, is_reward_failure
 from rlmesh.v1 import trajectory_pb2

@@ -27,18 +27,18 @@ from rlmesh.config.loader import dump_public_yaml
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.data.cursor import total_training_steps
 from rlmesh.engine.client import EngineClient, engine_device_of
-from rlmesh.learner.batch import validate_trajectory
-from rlmesh.learner.checkpoint import latest_checkpoint, replace_dir
-from rlmesh.learner.collect import BatchCollector, StepBatch
-from rlmesh.learner.commands import Followers, RankCommand, run_collective
-from rlmesh.learner.dynamic_sampling import GenBatches, GroupFilter, draw_in_place
-from rlmesh.learner.feeder import PromptFeeder, index_of
-from rlmesh.learner.model_loading import first_policy_version
-from rlmesh.learner.recovery import LostGroupRecovery
-from rlmesh.learner.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
-from rlmesh.learner.validation import run_validation, select_generations, val_sampling
-from rlmesh.learner.weight_links import weight_sync_backend
-from rlmesh.learner.weight_push import WeightPusher, WeightPushError, weight_master_address
+from rlmesh.learner.checkpoints.store import latest_checkpoint, replace_dir
+from rlmesh.learner.ppo.batch import validate_trajectory
+from rlmesh.learner.ppo.model_loading import first_policy_version
+from rlmesh.learner.run.collect import BatchCollector, StepBatch
+from rlmesh.learner.run.commands import Followers, RankCommand, run_collective
+from rlmesh.learner.run.dynamic_sampling import GenBatches, GroupFilter, draw_in_place
+from rlmesh.learner.run.feeder import PromptFeeder, index_of
+from rlmesh.learner.run.recovery import LostGroupRecovery
+from rlmesh.learner.run.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
+from rlmesh.learner.run.validation import run_validation, select_generations, val_sampling
+from rlmesh.learner.weight_sync.links import weight_sync_backend
+from rlmesh.learner.weight_sync.push import WeightPusher, WeightPushError, weight_master_address
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import (
     ReplicaRegistry,
@@ -840,7 +840,7 @@ class TrainingLoop:
         limits = [k for k in (trainer_cfg.max_actor_ckpt_to_keep, trainer_cfg.max_critic_ckpt_to_keep) if k]
         # A step's directory holds actor and critic together (a resume needs both): the larger
         # limit decides. Leftovers of saves that died half-way go too.
-        from rlmesh.learner.checkpoint import prune_checkpoints
+        from rlmesh.learner.checkpoints.store import prune_checkpoints
 
         for gone in prune_checkpoints(self.checkpoint_root, max(limits) if limits else None):
             log.info("removed checkpoint %s", gone)

@@ -1,6 +1,6 @@
 """Learning-rate schedules, verl's: linear warmup, then constant or cosine.
 
-docs/internals.md#rlmeshlearnerschedule"""
+docs/internals.md#rlmeshlearnerpposchedule"""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.engine.client import EngineError
-from rlmesh.learner.weight_links import EngineLink, drop_group
-from rlmesh.learner.weight_payload import Packer
+from rlmesh.learner.weight_sync.links import EngineLink, drop_group
+from rlmesh.learner.weight_sync.payload import Packer
 from rlmesh.runtime.threads import run_in_daemon_thread
 
 log = logging.getLogger("rlmesh.weights")

@@ -12,17 +12,17 @@ import torch
 
 from rlmesh.algo import agg_loss, get_policy_loss_fn, kl_penalty, policy_loss_info
 from rlmesh.config import ActorConfig
-from rlmesh.learner.batch import PPOBatch
 from rlmesh.learner.dist import world_size
-from rlmesh.learner.forward import MicroBatch, actor_forward, rows_of, slice_micro_batch
-from rlmesh.learner.parallel import (
+from rlmesh.learner.ppo.batch import PPOBatch
+from rlmesh.learner.ppo.forward import MicroBatch, actor_forward, rows_of, slice_micro_batch
+from rlmesh.learner.ppo.parallel import (
     MetricSums,
     forward_without_grad,
     global_loss_scale,
     micro_batch_plan,
     mini_batch_counts,
 )
-from rlmesh.learner.ppo_worker import PPOWorker, UpdateStats, step_scheduler
+from rlmesh.learner.ppo.ppo_worker import PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOActor", "policy_loss_kwargs"]
 
@@ -106,10 +106,10 @@ class DeepSpeedPPOActor(PPOWorker):
     seed: the shuffle seed.
     device: where micro-batches go.
     share_prompts: run a prompt once for all its samples in a micro-batch where that costs less
-        (``rlmesh.learner.forward.shared_prompt_layout``; equal outputs up to float rounding).
+        (``rlmesh.learner.ppo.forward.shared_prompt_layout``; equal outputs up to float rounding).
 
     Its micro-batches (training and old log-probs) run padding-free when ``config.use_remove_padding``
-    (``rlmesh.learner.packed_layout``; ValueError at once when the model cannot).
+    (``rlmesh.learner.ppo.packed_layout``; ValueError at once when the model cannot).
     """
 
     def __init__(
