@@ -79,7 +79,8 @@ LIBRARY_LAYERS = Layering(
     layers=[
         ("v1",),  # generated from protos/
         ("algo", "config", "data", "models", "weights", "wire"),  # formulas, config, data, formats
-        ("queue", "runtime"),  # the run's Redis protocol; the service base, processes, networking
+        ("runtime",),  # the service base, processes, networking
+        ("queue",),  # the run's Redis protocol
         ("engine", "reference", "reward"),  # the services' cores and their clients
         ("control", "learner", "rollout"),  # the roles, and the control plane over them
         ("job",),  # whole jobs: train, demo, up, the stack starter
@@ -132,7 +133,7 @@ def test_the_design_doc_holds_the_current_picture(layering: Layering):
 def test_an_upward_import_is_caught():
     fake = {("weights", "learner"): ["libs/rlmesh/weights/x.py:1"]}
     assert LIBRARY_LAYERS.upward(fake) == [
-        "weights (layer 1) imports learner (layer 4) at libs/rlmesh/weights/x.py:1"
+        "weights (layer 1) imports learner (layer 5) at libs/rlmesh/weights/x.py:1"
     ]
     assert LEARNER_LAYERS.upward({("ppo", "run"): ["libs/rlmesh/learner/ppo/x.py:1"]}) == [
         "ppo (layer 1) imports run (layer 5) at libs/rlmesh/learner/ppo/x.py:1"

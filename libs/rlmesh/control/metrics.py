@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from rlmesh.queue.signing import expose_untrusted
 from rlmesh.runtime.http_guard import ASGIApp, Message, Receive, Scope, Send
+from rlmesh.runtime.prometheus import MetricSet
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 OTHER = "other"
@@ -20,30 +21,27 @@ class ControlMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry = registry or CollectorRegistry()
         expose_untrusted(registry)  # what the plane skipped of what it read from Redis
-        self.requests = Counter(
+        series = MetricSet(registry)
+        self.requests = series.counter(
             "rlmesh_control_requests",
             "REST requests answered, by route template and status",
             ["method", "route", "status"],
-            registry=registry,
         )
-        self.latency = Histogram(
+        self.latency = series.histogram(
             "rlmesh_control_request_latency_seconds",
             "REST request latency",
             ["route"],
-            registry=registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
         )
-        self.actions = Counter(
+        self.actions = series.counter(
             "rlmesh_control_actions",
             "Changes the control plane made (pause, resume, checkpoint, stop, set_hyperparam, drain, ...)",
             ["action", "source"],
-            registry=registry,
         )
-        self.auto_actions = Counter(
+        self.auto_actions = series.counter(
             "rlmesh_control_auto_actions",
             "Automatic responses applied, by rule (rlmesh.control.auto)",
             ["rule", "hparam"],
-            registry=registry,
         )
 
 

@@ -13,10 +13,11 @@ from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError, Message
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError, ResponseError
 
 from rlmesh.queue.signing import INVALID, UNDECODABLE, UNSIGNED, UNTRUSTED, Signer
+from rlmesh.runtime.prometheus import MetricSet
 
 log = logging.getLogger("rlmesh.queue")
 
@@ -83,17 +84,17 @@ class _Claim:
 class QueueMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # registry=None keeps the counters unregistered (tests, several queues in one process).
-        kw = {"registry": registry}
-        self.enqueued = Counter("rlmesh_queue_enqueued", "Messages added", ["stream"], **kw)
-        self.delivered = Counter(
-            "rlmesh_queue_delivered", "Messages handed to this consumer", ["stream", "how"], **kw
+        series = MetricSet(registry)
+        self.enqueued = series.counter("rlmesh_queue_enqueued", "Messages added", ["stream"])
+        self.delivered = series.counter(
+            "rlmesh_queue_delivered", "Messages handed to this consumer", ["stream", "how"]
         )
-        self.acked = Counter("rlmesh_queue_acked", "Messages acknowledged", ["stream"], **kw)
-        self.dead_lettered = Counter(
-            "rlmesh_queue_dead_lettered", "Messages moved to dead letters", ["stream", "reason"], **kw
+        self.acked = series.counter("rlmesh_queue_acked", "Messages acknowledged", ["stream"])
+        self.dead_lettered = series.counter(
+            "rlmesh_queue_dead_lettered", "Messages moved to dead letters", ["stream", "reason"]
         )
-        self.full = Counter(
-            "rlmesh_queue_full", "put() calls refused because the stream was full", ["stream"], **kw
+        self.full = series.counter(
+            "rlmesh_queue_full", "put() calls refused because the stream was full", ["stream"]
         )
 
 

@@ -2,35 +2,34 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from rlmesh.runtime.busy import BusySecondsCollector, BusyTracker
+from rlmesh.runtime.prometheus import BATCH_BUCKETS, MetricSet
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 COMPUTE_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class ReferenceMetrics:
     def __init__(self, registry: CollectorRegistry, busy: BusyTracker) -> None:
-        self.samples = Counter("rlmesh_reference_samples", "samples answered", registry=registry)
-        self.tokens = Counter(
-            "rlmesh_reference_tokens", "prompt + response tokens of samples answered", registry=registry
+        series = MetricSet(registry)
+        self.samples = series.counter("rlmesh_reference_samples", "samples answered")
+        self.tokens = series.counter(
+            "rlmesh_reference_tokens", "prompt + response tokens of samples answered"
         )
-        self.padded_tokens = Counter(
-            "rlmesh_reference_padded_tokens", "tokens forwarded, padding included", registry=registry
+        self.padded_tokens = series.counter(
+            "rlmesh_reference_padded_tokens", "tokens forwarded, padding included"
         )
-        self.batch_size = Histogram(
+        self.batch_size = series.histogram(
             "rlmesh_reference_batch_size",
             "samples per LogProbs call answered (its count: the calls)",
             buckets=BATCH_BUCKETS,
-            registry=registry,
         )
-        self.micro_batches = Counter("rlmesh_reference_micro_batches", "forward passes", registry=registry)
-        self.compute_seconds = Histogram(
+        self.micro_batches = series.counter("rlmesh_reference_micro_batches", "forward passes")
+        self.compute_seconds = series.histogram(
             "rlmesh_reference_compute_seconds",
             "time to compute one call's log-probs",
             buckets=COMPUTE_SECONDS_BUCKETS,
-            registry=registry,
         )
         # Calls overlap (they queue for the model), so the histogram's sum is no busy time: this is.
         registry.register(

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from rlmesh.engine.client import EngineClient, EngineError
@@ -24,6 +24,7 @@ from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
 from rlmesh.queue.signing import expose_untrusted
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
+from rlmesh.runtime.prometheus import MetricSet
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
 
 log = logging.getLogger("rlmesh.rollout")
@@ -121,57 +122,41 @@ class BusyClock:
 
 class SamplerMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.tasks = Counter("rlmesh_rollout_tasks", "Prompt tasks finished", ["outcome"], registry=registry)
-        self.trajectories = Counter(
-            "rlmesh_rollout_trajectories", "Trajectories published", registry=registry
+        series = MetricSet(registry)
+        self.tasks = series.counter(
+            "rlmesh_rollout_tasks", "Prompt tasks finished", ["outcome"], zero=OUTCOMES
         )
-        self.tokens = Counter(
-            "rlmesh_rollout_generated_tokens", "Response tokens generated", registry=registry
-        )
-        self.stage = Histogram(
+        self.trajectories = series.counter("rlmesh_rollout_trajectories", "Trajectories published")
+        self.tokens = series.counter("rlmesh_rollout_generated_tokens", "Response tokens generated")
+        self.stage = series.histogram(
             "rlmesh_rollout_stage_seconds",
             "Time per stage of a task",
             ["stage"],
-            registry=registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
         )
-        self.retries = Counter(
-            "rlmesh_rollout_dependency_retries", "Failed calls retried", ["dependency"], registry=registry
+        self.retries = series.counter(
+            "rlmesh_rollout_dependency_retries", "Failed calls retried", ["dependency"], zero=DEPENDENCIES
         )
-        self.in_flight = Gauge("rlmesh_rollout_tasks_in_flight", "Tasks being worked on", registry=registry)
-        self.breaker_open = Gauge(
+        self.in_flight = series.gauge("rlmesh_rollout_tasks_in_flight", "Tasks being worked on")
+        self.breaker_open = series.gauge(
             "rlmesh_rollout_breaker_open",
             "1 while a dependency's breaker is open",
             ["dependency"],
-            registry=registry,
+            zero=DEPENDENCIES[:3],
         )
-        self.generating = Counter(
+        self.generating = series.counter(
             "rlmesh_rollout_generating_seconds",
             "Wall time with at least one engine generate call of this replica in flight",
-            registry=registry,
         )
-        self.engine_gpus = Gauge(
-            "rlmesh_rollout_engine_gpus",
-            "GPUs (accelerators) the replica's engine computes on; 0: the CPU",
-            registry=registry,
+        self.engine_gpus = series.gauge(
+            "rlmesh_rollout_engine_gpus", "GPUs (accelerators) the replica's engine computes on; 0: the CPU"
         )
-        self.policy_version = Gauge(
-            "rlmesh_rollout_policy_version",
-            "The weight version the replica's engine holds",
-            registry=registry,
+        self.policy_version = series.gauge(
+            "rlmesh_rollout_policy_version", "The weight version the replica's engine holds"
         )
-        self.paused = Gauge(
-            "rlmesh_rollout_paused",
-            "1 while the replica claims no work (paused or draining)",
-            registry=registry,
+        self.paused = series.gauge(
+            "rlmesh_rollout_paused", "1 while the replica claims no work (paused or draining)"
         )
-        # Every labelled series exists from the start at 0, so increase() sees the first event.
-        for outcome in OUTCOMES:
-            self.tasks.labels(outcome)
-        for dependency in DEPENDENCIES:
-            self.retries.labels(dependency)
-        for dependency in DEPENDENCIES[:3]:
-            self.breaker_open.labels(dependency)
         if registry is not None:  # what this replica read from Redis and did not trust
             expose_untrusted(registry)
 

@@ -12,7 +12,9 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+
+from rlmesh.runtime.prometheus import MetricSet
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The one label every method the server does not serve shares (e.g. a refused caller probing names).
@@ -22,31 +24,17 @@ UNKNOWN_METHOD = "unknown"
 class RpcMetrics:
     def __init__(self, registry: CollectorRegistry, service: str) -> None:
         self.service = service
-        self.requests = Counter(
-            "rlmesh_rpc_requests",
-            "RPCs finished, by method and status code",
-            ["service", "method", "code"],
-            registry=registry,
+        series = MetricSet(registry)
+        self.requests = series.counter(
+            "rlmesh_rpc_requests", "RPCs finished, by method and status code", ["service", "method", "code"]
         )
-        self.errors = Counter(
-            "rlmesh_rpc_errors",
-            "RPCs that ended with a status other than OK",
-            ["service", "method", "code"],
-            registry=registry,
+        self.errors = series.counter(
+            "rlmesh_rpc_errors", "RPCs that ended with a status other than OK", ["service", "method", "code"]
         )
-        self.latency = Histogram(
-            "rlmesh_rpc_latency_seconds",
-            "RPC handling time",
-            ["service", "method"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.latency = series.histogram(
+            "rlmesh_rpc_latency_seconds", "RPC handling time", ["service", "method"], buckets=LATENCY_BUCKETS
         )
-        self.in_flight = Gauge(
-            "rlmesh_rpc_in_flight",
-            "RPCs being handled now",
-            ["service", "method"],
-            registry=registry,
-        )
+        self.in_flight = series.gauge("rlmesh_rpc_in_flight", "RPCs being handled now", ["service", "method"])
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.requests.labels(self.service, method, code.name).inc()
