@@ -511,7 +511,7 @@ def main() -> int:
     say("the engine's ceiling: one whole wave in this process, before the run starts")
     ceiling = measure_ceiling(cfg)
     say(f"ceiling: {ceiling.tokens_per_s:.0f} tokens/s ({ceiling.tokens} tokens in {ceiling.seconds:.3f} s)")
-    counters = StepCounters(Path(cfg.trainer.default_local_dir) / "metrics.jsonl", cfg.rlmesh.auth_token)
+    counters = StepCounters(Path(cfg.trainer.default_local_dir) / "metrics.jsonl", cfg.rlmesh.token())
     services: dict[str, dict[str, Any]] = {}
 
     def read_services(stack: Any) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import AliasChoices, BaseModel
+from pydantic import AliasChoices, BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 from rlmesh.config.base import COMPAT_DESCRIPTION
@@ -41,6 +41,8 @@ def type_str(annotation: Any) -> str:
         return "any"
     if annotation is type(None):
         return "null"
+    if annotation is SecretStr:
+        return "str"  # what the user writes, in docs/config.md and in "expected ..." messages
     if origin is Annotated:
         return type_str(args[0])
     if origin is Literal:

@@ -372,7 +372,11 @@ def dump_yaml(cfg: RLMeshConfig) -> str:
     It includes rlmesh.auth_token when one is set: treat the output as a secret then
     (:func:`dump_public_yaml` is the copy to show or store).
     """
-    return _yaml_of(cfg.model_dump(mode="json"))
+    data = cfg.model_dump(mode="json")
+    if cfg.rlmesh.auth_token is not None:
+        # A YAML holds no secret type: the copy that loads back must carry the token itself.
+        data["rlmesh"]["auth_token"] = cfg.rlmesh.token()
+    return _yaml_of(data)
 
 
 def dump_public_yaml(cfg: RLMeshConfig) -> str:

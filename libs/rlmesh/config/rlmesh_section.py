@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from rlmesh.config.base import Section
 from rlmesh.config.redis_url import redis_url_problem
@@ -490,7 +490,8 @@ class RlmeshSection(Section):
         "(password %-encoded), or rediss:// for TLS with the files as query parameters (ssl_ca_certs, "
         "and ssl_certfile, ssl_keyfile where Redis checks clients)",
     )
-    auth_token: str | None = Field(
+    # SecretStr: repr, str, logs and model_dump show `**********`; readers call token().
+    auth_token: SecretStr | None = Field(
         None,
         description="shared token every gRPC/REST call and every call to a rollout engine's HTTP API "
         "(SGLang's --api-key) must carry; health probes and /metrics stay open; null = env "
@@ -552,6 +553,10 @@ class RlmeshSection(Section):
             if isinstance(section, dict):
                 data[name] = {"port": port, "metrics_port": metrics_port, **section}
         return data
+
+    def token(self) -> str:
+        """The run's token in clear, for a client to send or a server to check; "" = none."""
+        return self.auth_token.get_secret_value() if self.auth_token is not None else ""
 
     def services(self) -> dict[str, ServiceConfig]:
         """Every service section by name."""

@@ -116,7 +116,7 @@ def create_app(
     app.state.metrics = metrics = metrics or ControlMetrics()
     app.state.learner_address = learner_address
     app.state.on_ready = on_ready
-    app.state.identity = token_identity(cfg.rlmesh.auth_token)
+    app.state.identity = token_identity(cfg.rlmesh.token())
     app.router.routes.extend(route for router in ROUTERS for route in router.routes)
 
     @app.exception_handler(ControlError)
@@ -137,8 +137,9 @@ def create_app(
     from rlmesh.control.dashboard import mount_dashboard, open_paths  # the page: docs/control.md#dashboard
 
     mount_dashboard(app)
-    if cfg.rlmesh.auth_token:  # the page's static files are open; its API calls carry the token
-        app.add_middleware(BearerTokenMiddleware, token=cfg.rlmesh.auth_token, open_paths=open_paths())
+    token = cfg.rlmesh.token()
+    if token:  # the page's static files are open; its API calls carry the token
+        app.add_middleware(BearerTokenMiddleware, token=token, open_paths=open_paths())
     security = cfg.rlmesh.security
     section = cfg.rlmesh.control
     policy = guard_policy(

@@ -128,7 +128,7 @@ def find_target(
     """Where to call and with which token: ``--url``, env ``RLMESH_CONTROL_URL``, the run file
     (``find_run``), else the configured ``rlmesh.control`` address."""
     cfg = quiet_config(config, overrides)
-    token, tls = cfg.rlmesh.auth_token, tls_of(cfg.rlmesh.security.tls)
+    token, tls = cfg.rlmesh.token(), tls_of(cfg.rlmesh.security.tls)
     if url:
         return Target(url.rstrip("/"), "--url", token, tls)
     if os.environ.get(ENV_URL):
@@ -139,7 +139,7 @@ def find_target(
     if run is not None:
         if not configured and run.config:  # the token the job took from its config file
             try:
-                token = quiet_config(run.config).rlmesh.auth_token
+                token = quiet_config(run.config).rlmesh.token()
             except (ConfigError, OSError) as e:
                 note(f"could not read the run's config {run.config} for its token: {e}")
         return Target(run.url, f"the run file {run.path}", token, tls or tls_files(run))

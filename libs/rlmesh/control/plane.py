@@ -41,8 +41,8 @@ def phase_name(status: learner_pb2.LearnerStatus) -> str:
 class ControlPlane:
     def __init__(self, cfg: RLMeshConfig, *, learner_address: str | None = None) -> None:
         self.cfg = cfg
-        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.auth_token)
-        self.token = cfg.rlmesh.auth_token
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.token())
+        self.token = cfg.rlmesh.token()
         self.redis = connect(cfg.rlmesh.redis_url)
         control = cfg.rlmesh.control
         self.audit = AuditLog(self.redis, self.keys, control.audit_max_entries)

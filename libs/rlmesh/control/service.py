@@ -55,8 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlmesh control: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    if cfg.rlmesh.auth_token:
-        os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token  # never argv: docs/design.md#tokens
+    token = cfg.rlmesh.token()
+    if token:
+        os.environ[ENV_AUTH_TOKEN] = token  # never argv: docs/design.md#tokens
     export_tls(tls_of(cfg.rlmesh.security.tls))  # its gRPC clients (the learner, replicas) read it
     section = cfg.rlmesh.control
     configure_logging("control", cfg.rlmesh.run_id, cfg.rlmesh.log_level, cfg.rlmesh.log_format)
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_open_bind(
             section.host,
             "the control plane (rlmesh.control.host)",
-            cfg.rlmesh.auth_token,
+            token,
             cfg.rlmesh.security.allow_open_bind,
         )
     except OpenBindError as e:

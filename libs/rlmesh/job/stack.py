@@ -352,7 +352,7 @@ def run_stack(
         print(f"invalid configuration:\n{e}")
         return 2
     run_id = cfg.rlmesh.run_id or f"up-{uuid.uuid4().hex[:8]}"
-    token = cfg.rlmesh.auth_token
+    token = cfg.rlmesh.token()
     t0 = time.monotonic()
     # Logs and Redis data stay in runs/<run id> (git-ignored) so they can be read afterwards.
     workdir = workdir or str(Path("runs") / run_id)

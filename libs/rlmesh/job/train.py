@@ -243,7 +243,7 @@ def follow_learner(
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
     learner = stack.learner
-    metadata = bearer_metadata(cfg.rlmesh.auth_token)
+    metadata = bearer_metadata(cfg.rlmesh.token())
     total, announced = cfg.trainer.total_training_steps or 0, ""
     known_total = 0  # the run's steps as the learner counts them (0: not heard from it yet)
     first: int | None = None  # the step this run started after (> 0 when it resumed)
@@ -375,7 +375,7 @@ def run_job(
         wall_s=0,
         started_wall=wall_start,
     )
-    token = cfg.rlmesh.auth_token
+    token = cfg.rlmesh.token()
     say(f"run {run_id}: checkpoints and metrics in {checkpoint_dir}, logs in {service_dir / 'logs'}")
     follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
     grace_s = max(cfg.rlmesh.runtime.shutdown_grace_s, 30)

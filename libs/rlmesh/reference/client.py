@@ -38,7 +38,7 @@ class ReferenceClient:
     @classmethod
     def from_config(cls, cfg: RLMeshConfig, **kwargs: Any) -> ReferenceClient:
         section = cfg.rlmesh.reference
-        kwargs.setdefault("token", cfg.rlmesh.auth_token)
+        kwargs.setdefault("token", cfg.rlmesh.token())
         kwargs.setdefault("timeout_s", section.timeout_s)
         return cls(StaticAddresses(section.client_addresses()), **kwargs)
 

@@ -50,11 +50,11 @@ class RewardClient:
         fallback = section.client_addresses()
         source: AddressSource
         if redis is not None and cfg.rlmesh.run_id:
-            keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
+            keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.token())
             source = reward_address_source(redis, keys, fallback=fallback)
         else:
             source = StaticAddresses(fallback)
-        kwargs.setdefault("token", cfg.rlmesh.auth_token)
+        kwargs.setdefault("token", cfg.rlmesh.token())
         kwargs.setdefault("timeout_s", section.timeout_s)
         return cls(source, **kwargs)
 

@@ -121,7 +121,7 @@ async def start_replica_engine(
         dtype=rollout.dtype,
         extra_args=sglang_extra_args(cfg),
         skip_tokenizer_init=rollout.skip_tokenizer_init,
-        token=cfg.rlmesh.auth_token or "",
+        token=cfg.rlmesh.token(),
         override_config=model.override_config,
         gpus=gpus,
         allow_open_bind=cfg.rlmesh.security.allow_open_bind,
@@ -190,7 +190,7 @@ class RolloutReplica:
         self.cfg = cfg
         self.gpu_claim = gpu_claim  # held while its SGLang runs on the GPUs it claimed
         self.replica_id = replica_id
-        self.keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.token())
         self.redis = redis
         self.launcher = launcher
         self.engine = engine
@@ -232,7 +232,7 @@ class RolloutReplica:
             raise ValueError("rlmesh.run_id is required: replicas of one run share its queues")
         s = cfg.rlmesh.sampler
         replica_id = s.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-        keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.auth_token)
+        keys = RunKeys.signed(cfg.rlmesh.run_id, cfg.rlmesh.token())
         redis = connect(cfg.rlmesh.redis_url)
         launcher = ProcessLauncher(stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s)
         gpu_claim = await claim_replica_gpus(cfg, redis, keys)

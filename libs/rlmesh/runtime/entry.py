@@ -54,10 +54,11 @@ def service_main(
     except ConfigError as e:
         print(f"rlmesh {name}: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    if cfg.rlmesh.auth_token:
+    token = cfg.rlmesh.token()
+    if token:
         # Where the token reaches what the config does not: this process's engine clients (the
         # learner's weight pushes) and its children (a replica's engine), never through argv.
-        os.environ[ENV_AUTH_TOKEN] = cfg.rlmesh.auth_token
+        os.environ[ENV_AUTH_TOKEN] = token
     section = getattr(cfg.rlmesh, name)
     tls = tls_of(cfg.rlmesh.security.tls)
     try:
@@ -92,7 +93,7 @@ def service_main(
         check_open_bind(
             section.host,
             f"the {name} service (rlmesh.{name}.host)",
-            cfg.rlmesh.auth_token,
+            token,
             cfg.rlmesh.security.allow_open_bind,
         )
     except OpenBindError as e:
@@ -106,7 +107,7 @@ def service_main(
             port=section.port,
             advertise=advertise,
             metrics_port=section.metrics_port,
-            auth_token=cfg.rlmesh.auth_token,
+            auth_token=token,
             shutdown_grace_s=cfg.rlmesh.runtime.shutdown_grace_s,
             ready_file=args.ready_file,
             max_request_bytes=cfg.rlmesh.runtime.grpc_max_request_mb * 1024 * 1024,

@@ -39,7 +39,7 @@ def test_a_zero2_checkpoint_holds_no_secret_and_no_pickle_and_resumes(tiny_model
                 assert secret.encode() not in data, f"{secret} in {f}"
     saved = load_config(path / "config.yaml", [])  # `rlmesh export` loads it
     assert (
-        saved.rlmesh.auth_token == "***" and saved.rlmesh.redis_url == "redis://rlmesh:***@127.0.0.1:6379/0"
+        saved.rlmesh.token() == "***" and saved.rlmesh.redis_url == "redis://rlmesh:***@127.0.0.1:6379/0"
     )
     assert saved.rlmesh.control.prometheus_url == "http://admin:***@127.0.0.1:9090"
     assert sorted(p.name for p in (path / "rng").iterdir()) == ["rank_0.json"]

@@ -356,9 +356,9 @@ def test_auth_token_from_env_when_the_key_is_null(
 ) -> None:
     assert load_config().rlmesh.auth_token is None
     monkeypatch.setenv("RLMESH_AUTH_TOKEN", "s3cret")
-    assert load_config().rlmesh.auth_token == "s3cret"
-    assert load_config(write_yaml("rlmesh:\n  auth_token: null\n")).rlmesh.auth_token == "s3cret"
-    assert load_config(None, ["rlmesh.auth_token=from-cli"]).rlmesh.auth_token == "from-cli"
+    assert load_config().rlmesh.token() == "s3cret"
+    assert load_config(write_yaml("rlmesh:\n  auth_token: null\n")).rlmesh.token() == "s3cret"
+    assert load_config(None, ["rlmesh.auth_token=from-cli"]).rlmesh.token() == "from-cli"
     monkeypatch.setenv("RLMESH_AUTH_TOKEN", "")
     assert load_config().rlmesh.auth_token is None
 

@@ -48,8 +48,27 @@ def test_the_public_yaml_holds_no_secret_and_loads_again(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(text)
     again = load_config(path, [])  # e.g. `rlmesh export` reads a checkpoint's copy
-    assert again.rlmesh.auth_token == "***" and again.rlmesh.redis_url == "redis://rlmesh:***@10.0.0.5:6379/0"
+    assert again.rlmesh.token() == "***" and again.rlmesh.redis_url == "redis://rlmesh:***@10.0.0.5:6379/0"
     assert public_config(again) == public_config(secret_config())
+
+
+def test_the_typed_config_never_shows_the_token():
+    cfg = secret_config()
+    shown = [
+        repr(cfg),
+        str(cfg),
+        str(cfg.rlmesh),
+        f"{cfg.rlmesh}",
+        str(cfg.model_dump()),
+        cfg.model_dump_json(),
+        yaml.safe_dump(cfg.model_dump(mode="json")),
+    ]
+    for text in shown:
+        assert TOKEN not in text
+    assert cfg.model_dump(mode="json")["rlmesh"]["auth_token"] == "**********"
+    assert public_config(cfg)["rlmesh"]["auth_token"] == "***"
+    assert cfg.rlmesh.token() == TOKEN  # asked for by name, it is there
+    assert load_config(None, []).rlmesh.token() == ""
 
 
 def test_unset_secrets_stay_unset():

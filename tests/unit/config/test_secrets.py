@@ -54,7 +54,7 @@ def test_redaction_keeps_what_helps_and_drops_the_secret():
 
 def test_a_child_reads_its_secrets_from_the_environment(monkeypatch):
     monkeypatch.setenv(SECRET_OVERRIDES_ENV, json.dumps(["rlmesh.auth_token=from-env"]))
-    assert load_config(None, ["rlmesh.run_id=r1"]).rlmesh.auth_token == "from-env"
+    assert load_config(None, ["rlmesh.run_id=r1"]).rlmesh.token() == "from-env"
     assert secret_env([]) == {}
     assert json.loads(secret_env(["rlmesh.auth_token=x"])[SECRET_OVERRIDES_ENV]) == ["rlmesh.auth_token=x"]
 

@@ -168,7 +168,7 @@ class TrainingLoop:
         start_paused = cfg.rlmesh.learner.start_paused
         self.state = LoopState(paused=start_paused, paused_by=START_PAUSED if start_paused else "")
         # Signed with a key from the token: what it reads from Redis is checked (docs/security.md).
-        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.auth_token)
+        self.keys = RunKeys.signed(cfg.rlmesh.run_id or "default", cfg.rlmesh.token())
         if registry is not None:
             expose_untrusted(registry)
         self.tokenizer = load_tokenizer(
@@ -363,7 +363,7 @@ class TrainingLoop:
         ]
         self.state.live_replicas = len(live)
         timeout = self.cfg.rlmesh.weight_sync.timeout_s
-        token = self.cfg.rlmesh.auth_token or ""
+        token = self.cfg.rlmesh.token()
         known = {link.client.url: link.client for link in self.pusher.links}
         clients = [
             known.get(r.engine_url.rstrip("/"))
@@ -797,7 +797,7 @@ class TrainingLoop:
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             sampling=val_sampling(rollout.val_kwargs, rollout.response_length),
             batch_size=self.cfg.data.val_batch_size or 64,
-            token=self.cfg.rlmesh.auth_token,
+            token=self.cfg.rlmesh.token(),
             rule=self.reward_rule,
         )
         self.state.phase = prev
