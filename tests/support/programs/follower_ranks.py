@@ -1,19 +1,21 @@
 """One of the two learner ranks of the command-channel tests (tests/integration/learner/test_commands.py).
 
-Run as ``python -m tests.support.programs.follower_ranks SCENARIO RANK PORT OUT_DIR``. Rank 1 runs
-``follow`` with a fake trainer (this tests the channel, not training) and writes what it saw to
-``OUT_DIR/rank1.json``; the timeouts are short so that a wait can outlast them within a test."""
+Run as ``python -m tests.support.programs.follower_ranks SCENARIO RANK PORT OUT_DIR``. Rank 0 sends as
+the learner does (``RankZero``: keep-alive task, commands on its trainer thread); rank 1 runs ``follow``
+with a fake trainer and writes what it saw to ``OUT_DIR/rank1.json``. The timeouts are short."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlmesh.learner.run.commands import Followers
 
 DEFAULT_GROUP_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 3.0
@@ -33,10 +35,28 @@ class FakeTrainer:
         self.calls.append(["save_checkpoint", path, extra])
 
 
+async def rank_zero(scenario: str, followers: Followers) -> None:
+    """Rank 0 as the learner drives it: its keep-alive and every command on one trainer thread."""
+    from rlmesh.learner.run.commands import RankCommand
+    from rlmesh.learner.run.trainer_thread import RankZero, TrainerThread
+
+    thread = TrainerThread()
+    sender = RankZero(FakeTrainer(), followers, thread)  # rank 0's own part of a save: recorded, unread
+    sender.start_keepalive()
+    if scenario == "killed":
+        await asyncio.Event().wait()  # until the test SIGKILLs or SIGSTOPs this process
+    if scenario == "slow":
+        # The one sleep: the test is about a wait outlasting the default group's timeout.
+        await asyncio.sleep(SILENT_S)
+        await sender.run(RankCommand("save", path="/ckpt/step-1", extra={"tag": "global_step_1"}))
+    await sender.finish("boom" if scenario == "boom" else "")
+    thread.close()
+
+
 def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     import torch.distributed as dist
 
-    from rlmesh.learner.run.commands import Followers, RankCommand, RankZeroLost, follow
+    from rlmesh.learner.run.commands import Followers, RankZeroLost, follow
 
     # The store has its own, long timeout: the two processes start (import torch) at their own
     # pace, and only the collectives are meant to have the short one.
@@ -49,14 +69,7 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     )  # collective: both ranks are past it once either is
     (out_dir / f"rank{rank}.ready").touch()
     if rank == 0:
-        if scenario == "killed":
-            signal.pause()  # until the test SIGKILLs or SIGSTOPs this process
-        if scenario == "slow":
-            # The one sleep: the test is about a wait outlasting the default group's timeout.
-            time.sleep(SILENT_S)
-            followers.announce(RankCommand("save", path="/ckpt/step-1", extra={"tag": "global_step_1"}))
-            followers.done()
-        followers.finish("boom" if scenario == "boom" else "")
+        asyncio.run(rank_zero(scenario, followers))
         dist.destroy_process_group()  # as the learner does: gloo's threads must not outlive the exit
         return 0
     trainer = FakeTrainer()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlmesh.config import load_config
-from rlmesh.learner.run.loop import job_gpus, timing_per_token_ms
+from rlmesh.learner.run.step_metrics import job_gpus, timing_per_token_ms
 
 
 def test_job_gpus_counts_cuda_learner_ranks_and_sglang_replicas() -> None:

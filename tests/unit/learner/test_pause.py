@@ -1,7 +1,7 @@
 """What a paused learner says over its real ``GetStatus`` (gRPC on loopback): who paused it
 (rlmesh.learner.start_paused, or a Pause request from the control plane) and how it goes on, not
-that it waits for replicas; and nothing once resumed. The loop's holds run on a stand-in that has
-the state and the replica lookup they use."""
+that it waits for replicas; and nothing once resumed. The loop's holds (``wait_for_replicas``,
+``hold_while_paused``) run on a stand-in that has the state and the replica lookup they use."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import asyncio
 import grpc
 import pytest
 
-from rlmesh.learner.run.loop import PAUSE_REQUEST, START_PAUSED, LoopState, TrainingLoop
+from rlmesh.learner.run.loop_state import (
+    PAUSE_REQUEST,
+    START_PAUSED,
+    LoopState,
+    hold_while_paused,
+    wait_for_replicas,
+)
 from rlmesh.learner.run.servicer import LearnerServicer
 from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from tests.support.polling import eventually
@@ -29,8 +35,11 @@ class Loop:
     def current_hparams(self) -> dict[str, float]:
         return {}
 
-    async def _live_engines(self) -> list[object]:
+    async def live_engines(self) -> list[object]:
         return self.replicas
+
+    async def checkpoint(self, step: int) -> str:
+        raise AssertionError("no checkpoint was requested")
 
 
 @pytest.fixture
@@ -63,7 +72,7 @@ def said(stub: learner_pb2_grpc.LearnerStub):
 async def test_a_learner_started_paused_says_so_while_no_replica_is_there_yet(serve):
     loop = Loop(LoopState(paused=True, paused_by=START_PAUSED))
     stub = await serve(loop)
-    waiting = asyncio.create_task(TrainingLoop._wait_for_replicas(loop))
+    waiting = asyncio.create_task(wait_for_replicas(loop.state, loop.live_engines))
     await eventually(said(stub), ("PAUSED", loop.state.paused_message), "the start pause")
     assert loop.state.paused_message.startswith("paused since start (rlmesh.learner.start_paused=true)")
     await stub.Resume(common_pb2.Empty())  # resumed, and still no replica: that is what holds it now
@@ -80,7 +89,7 @@ async def test_a_pause_request_is_named_as_such_and_resume_clears_it(serve):
     assert (loop.state.paused, loop.state.paused_by) == (False, "")
     await stub.Pause(common_pb2.Empty())  # what the control plane sends for `rlmesh ctl pause`
     assert loop.state.paused_by == PAUSE_REQUEST
-    holding = asyncio.create_task(TrainingLoop._hold_while_paused(loop))
+    holding = asyncio.create_task(hold_while_paused(loop.state, loop.checkpoint))
     await eventually(said(stub), ("PAUSED", loop.state.paused_message), "the requested pause")
     assert loop.state.paused_message.startswith("paused from the control plane (rlmesh ctl pause)")
     await stub.Resume(common_pb2.Empty())

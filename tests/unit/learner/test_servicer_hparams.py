@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from rlmesh.config.hparams import HPARAMS, range_text
-from rlmesh.learner.run.loop import LoopState
+from rlmesh.learner.run.loop_state import LoopState
 from rlmesh.learner.run.servicer import LearnerServicer
 from rlmesh.v1 import learner_pb2, learner_pb2_grpc
 

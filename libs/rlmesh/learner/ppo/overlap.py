@@ -40,7 +40,9 @@ class PhaseRunner:
     Overlap is only sound where the phases share no collective: the caller enables it for a group of
     one rank (several ranks would issue the actor's and the critic's all-reduces in an order that
     differs between ranks). Torch ops release the GIL, so two small models' updates, each too small
-    to keep several cores busy with intra-op threads, proceed in parallel.
+    to keep several cores busy with intra-op threads, proceed in parallel. These threads live inside
+    one call on rank 0's trainer thread (``rlmesh.learner.run.trainer_thread``) and all end before
+    it returns: no other trainer call overlaps them (docs/design.md#one-steps-concurrency).
     """
 
     # A step has at most three independent phases (reference, old log-probs, values).

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,7 +75,8 @@ class RankZeroLost(RuntimeError):
 
 class Followers:
     """Rank 0's channel to the other ranks. Constructing it is collective: every rank builds one,
-    at the same point.
+    at the same point. Rank 0 calls every other method on its trainer thread
+    (``rlmesh.learner.run.trainer_thread``), one at a time, so none needs a lock.
 
     Rank 0 ends the run with :meth:`finish`, which sends ``stop``, but only while the followers
     are known to be waiting for a command: after rank 0's part of a collective failed, a follower
@@ -89,53 +89,39 @@ class Followers:
         # Its own gloo group: the wait is bounded by ``timeout``, not the training group's, and
         # pickles never touch a GPU.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if self.world > 1 else None
+        self.keepalive_s = keepalive_s  # rank 0 sends a no-op this often while no command runs
         # Rank 0: a command was announced and rank 0's own part of it has not completed.
         self.in_collective = False
         self.finished = False
-        self._sending = threading.Lock()  # one broadcast at a time: a command or a keep-alive
-        self._stop_keepalive = threading.Event()
-        if self.world > 1 and dist.get_rank() == 0:
-            threading.Thread(
-                target=self._keep_alive, args=(keepalive_s,), name="followers-keepalive", daemon=True
-            ).start()
 
-    def _keep_alive(self, every_s: float) -> None:
-        while not self._stop_keepalive.wait(every_s):
-            with self._sending:
-                if self.in_collective or self.finished:
-                    continue  # the followers are inside a collective, not waiting for a command
-                try:
-                    dist.broadcast_object_list([RankCommand("noop")], src=0, group=self.group)
-                except RuntimeError as e:
-                    log.error("keep-alive to the other ranks failed: %s", e)
-                    return
+    def keep_alive(self) -> None:
+        """Rank 0: a no-op, unless the followers are inside a command (not waiting for one) or
+        were told to stop. Raises ``RuntimeError`` when the broadcast fails."""
+        if self.world > 1 and not self.in_collective and not self.finished:
+            dist.broadcast_object_list([RankCommand("noop")], src=0, group=self.group)
 
     def announce(self, command: RankCommand) -> None:
         """Rank 0: send ``command``; call :meth:`done` once rank 0's own part of it completed."""
         if self.world > 1:
-            with self._sending:
-                self.in_collective = True
-                dist.broadcast_object_list([command], src=0, group=self.group)
+            self.in_collective = True
+            dist.broadcast_object_list([command], src=0, group=self.group)
 
     def done(self) -> None:
-        with self._sending:
-            self.in_collective = False
+        self.in_collective = False
 
     def finish(self, failure: str = "") -> None:
         """Rank 0: tell the followers the run is over (``failure``: why it failed, if it did).
         Idempotent; never raises (a follower that already died cannot be told)."""
-        self._stop_keepalive.set()
-        with self._sending:
-            if self.world == 1 or self.finished:
-                return
-            self.finished = True
-            if self.in_collective:
-                log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
-                return
-            try:
-                dist.broadcast_object_list([RankCommand("stop", failure=failure)], src=0, group=self.group)
-            except RuntimeError as e:
-                log.error("could not tell the other ranks to stop: %s", e)
+        if self.world == 1 or self.finished:
+            return
+        self.finished = True
+        if self.in_collective:
+            log.error("rank 0 stopped inside a collective: the other ranks stop when this process exits")
+            return
+        try:
+            dist.broadcast_object_list([RankCommand("stop", failure=failure)], src=0, group=self.group)
+        except RuntimeError as e:
+            log.error("could not tell the other ranks to stop: %s", e)
 
     def receive(self) -> RankCommand:
         """Ranks > 0: the next command; raises ``RankZeroLost`` when rank 0 is gone."""

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from rlmesh.config import RLMeshConfig
 from rlmesh.learner.run.loop import TrainingLoop
 from rlmesh.learner.run.ranks import learner_env_defaults, make_trainer, set_torch_threads
+from rlmesh.learner.run.trainer_thread import TrainerThread
 
 log = logging.getLogger("rlmesh.learner")
 
@@ -33,7 +34,11 @@ class LearnerRun:
         learner_env_defaults()
         threads = set_torch_threads(cfg)
         log.info("learner rank 0 uses %d torch thread(s)", threads)
-        loop = await asyncio.to_thread(TrainingLoop, cfg, make_trainer, registry=metrics_registry)
+        # Built on the trainer thread, where every later trainer call runs too.
+        thread = TrainerThread()
+        loop = await thread.call(
+            TrainingLoop, cfg, make_trainer, registry=metrics_registry, trainer_thread=thread
+        )
         return cls(loop, on_end)
 
     async def start(self) -> None:
@@ -58,4 +63,6 @@ class LearnerRun:
             await self._task
         # The run tells the other ranks to stop when it ends; one that never began (the server
         # failed to start) must still release them from their wait for its first command.
-        self.loop.followers.finish("" if self._task else "the learner service stopped before its run began")
+        await self.loop.rank_zero.finish(
+            "" if self._task else "the learner service stopped before its run began"
+        )

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +47,8 @@ __all__ = [
 
 log = logging.getLogger("rlmesh.weights")
 
+Bucket = Sequence[tuple[str, torch.Tensor]]
+
 
 def weight_master_address(cfg: RLMeshConfig) -> str:
     """The host engines dial to join the learner's weight groups: ``rlmesh.weight_sync.master_address``,
@@ -60,6 +62,16 @@ def weight_master_address(cfg: RLMeshConfig) -> str:
         key="rlmesh.learner.advertise_address",
         redis_url=cfg.rlmesh.redis_url,
     )
+
+
+async def each_bucket(bucketed: Iterable[Bucket] | AsyncIterable[Bucket]) -> AsyncIterator[Bucket]:
+    """``bucketed``'s buckets, whether the caller made them as a list, a generator or an async one."""
+    if isinstance(bucketed, AsyncIterable):
+        async for bucket in bucketed:
+            yield bucket
+    else:
+        for bucket in bucketed:
+            yield bucket
 
 
 class WeightPushError(RuntimeError):
@@ -161,7 +173,7 @@ class WeightPusher:
 
     async def push_buckets(
         self,
-        bucketed: Iterable[Sequence[tuple[str, torch.Tensor]]],
+        bucketed: Iterable[Bucket] | AsyncIterable[Bucket],
         version: str | int,
         on_bucket: Callable[[int, int], None] | None = None,
         only: set[str] | None = None,
@@ -169,7 +181,8 @@ class WeightPusher:
         """``push`` of buckets the caller made: each is one update call (and one broadcast with
         flattened_bucket). A bucket is done with — copied or sent — before the next is asked for,
         so its tensors need to stay valid only until then (the learner's ZeRO-3 gathers are freed
-        bucket by bucket)."""
+        bucket by bucket). An async iterable is awaited between buckets: the learner gathers each
+        on its trainer thread, with the event loop free meanwhile."""
         failed = await self.connect_or_mark(only)
         start = time.perf_counter()
         targets = self._targets(only)
@@ -178,7 +191,7 @@ class WeightPusher:
 
         async def send_buckets() -> None:
             nonlocal sent
-            for bucket in bucketed:
+            async for bucket in each_bucket(bucketed):
                 if not bucket:
                     continue
                 sample.offer(bucket)  # while the bucket's tensors are valid
