@@ -1,5 +1,5 @@
 """Learner service: PPO under DeepSpeed (actor + critic), weight push, checkpoints. Rank 0 serves
-``rlmesh.v1.Learner`` over ``rlmesh.learner.LearnerRun``; other ranks follow its collectives.
+``rlmesh.v1.Learner`` over ``rlmesh.learner.run.learner_run.LearnerRun``; other ranks follow its collectives.
 Exits 0 when the run is done, 1 when it failed."""
 
 from __future__ import annotations

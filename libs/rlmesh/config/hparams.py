@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Hparam:
-    name: str  # the REST field, the Learner proto's UpdateHyperparamsRequest field, the trainer's argument
+    # The REST field and the Learner proto's UpdateHyperparamsRequest field; the loop applies kl_coef,
+    # temperature and top_p itself, the trainer takes the others as arguments of update_hyperparams.
+    name: str
     key: str  # the config key it overrides
     low: float
     high: float

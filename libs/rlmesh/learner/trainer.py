@@ -420,7 +420,7 @@ class PPOTrainer:
             temperature,
         )
 
-    def peak_lr(self) -> float:
+    def actor_peak_lr(self) -> float:
         """The actor's peak learning rate now (``update_hyperparams`` changes it)."""
         return float(self.actor.scheduler.base_lrs[0])
 

@@ -1,1 +1,1 @@
-"""PPO on DeepSpeed: the trainer (actor + critic), their update loops, the batch layout, model loading."""
+"""PPO on DeepSpeed: the actor and the critic, their update loops, the batch layout, model loading."""

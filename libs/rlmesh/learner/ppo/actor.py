@@ -22,7 +22,7 @@ from rlmesh.learner.ppo.parallel import (
     micro_batch_plan,
     mini_batch_counts,
 )
-from rlmesh.learner.ppo.ppo_worker import PPOWorker, UpdateStats, step_scheduler
+from rlmesh.learner.ppo.ppo_worker import MICRO_BATCHES, PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOActor", "policy_loss_kwargs"]
 
@@ -63,10 +63,6 @@ def policy_loss_kwargs(config: ActorConfig, generator: torch.Generator | None = 
     raise ValueError(f"policy_loss_kwargs: no knobs known for policy loss {mode!r}")
 
 
-# The count of real micro-batches of a mini-batch, in MetricSums beside the metrics' sums.
-_MICRO_BATCHES = "_micro_batches"
-
-
 def _mini_batch_key(key: str, mini_batch: int) -> str:
     """The MetricSums key of ``key``'s sum over the micro-batches of the update's
     ``mini_batch``-th mini-batch (epochs included)."""
@@ -88,7 +84,7 @@ def _mean_over_mini_batches(
     out = {}
     for key in keys:
         per_mini = [
-            totals[_mini_batch_key(key, j)] / max(totals[_mini_batch_key(_MICRO_BATCHES, j)], 1.0)
+            totals[_mini_batch_key(key, j)] / max(totals[_mini_batch_key(MICRO_BATCHES, j)], 1.0)
             for j in range(n_mini_batches)
         ]
         out[key] = sum(per_mini) / max(n_mini_batches, 1)
@@ -227,7 +223,7 @@ class DeepSpeedPPOActor(PPOWorker):
                 j = stats.steps  # the mini-batch's index in the update, epochs included
                 n_tokens, n_seqs = mini_batch_counts(batch, rows)
                 # Every rank reduces the same keys, even one that only runs dummy micro-batches.
-                keys = ["actor/pg_loss", *(_mini_batch_key(k, j) for k in (*info.metrics, _MICRO_BATCHES))]
+                keys = ["actor/pg_loss", *(_mini_batch_key(k, j) for k in (*info.metrics, MICRO_BATCHES))]
                 if calculate_entropy:
                     keys.append("actor/entropy_loss")
                 if cfg.use_kl_loss:
@@ -282,7 +278,7 @@ class DeepSpeedPPOActor(PPOWorker):
                     sums.add("actor/pg_loss", pg_loss.item() * pg_scale / dp)
                     for key in info.metrics:  # each micro-batch's own value (its token mean)
                         sums.add(_mini_batch_key(key, j), pg_metrics[key].item())
-                    sums.add(_mini_batch_key(_MICRO_BATCHES, j), 1.0)
+                    sums.add(_mini_batch_key(MICRO_BATCHES, j), 1.0)
                 self.optimizer_step(stats, nonfinite, step)
         step_scheduler(self.scheduler)  # once per PPO step, as verl's update_actor
         totals = sums.reduced()

@@ -19,7 +19,7 @@ from rlmesh.learner.ppo.parallel import (
     micro_batch_plan,
     mini_batch_counts,
 )
-from rlmesh.learner.ppo.ppo_worker import PPOWorker, UpdateStats, step_scheduler
+from rlmesh.learner.ppo.ppo_worker import MICRO_BATCHES, PPOWorker, UpdateStats, step_scheduler
 
 __all__ = ["DeepSpeedPPOCritic"]
 
@@ -101,7 +101,7 @@ class DeepSpeedPPOCritic(PPOWorker):
         for epoch in range(int(cfg.ppo_epochs)):
             for rows in self.mini_batches(len(batch), step, epoch):
                 n_tokens, n_seqs = mini_batch_counts(batch, rows)
-                for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "_micro_batches"):
+                for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", MICRO_BATCHES):
                     sums.add(key, 0.0)  # every rank reduces the same keys, even with only dummy micro-batches
                 nonfinite = False
                 plan = self.micro_batches(batch, rows)
@@ -128,11 +128,11 @@ class DeepSpeedPPOCritic(PPOWorker):
                     sums.add("critic/vf_loss", vf_loss.item() * scale / dp)
                     sums.add("critic/vf_clipfrac", vf_clipfrac.item())
                     sums.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask).item())
-                    sums.add("_micro_batches", 1.0)
+                    sums.add(MICRO_BATCHES, 1.0)
                 self.optimizer_step(stats, nonfinite, step)
         step_scheduler(self.scheduler)
         totals = sums.reduced()
-        micro_batches = max(totals.pop("_micro_batches", 0.0), 1.0)
+        micro_batches = max(totals.pop(MICRO_BATCHES, 0.0), 1.0)
         return {
             "critic/vf_loss": totals.get("critic/vf_loss", 0.0) / stats.steps,
             "critic/vf_clipfrac": totals.get("critic/vf_clipfrac", 0.0) / micro_batches,

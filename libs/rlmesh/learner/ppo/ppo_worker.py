@@ -21,6 +21,9 @@ __all__ = ["PPOWorker", "UpdateStats", "clip_and_step", "epoch_order", "step_sch
 
 log = logging.getLogger("rlmesh.learner")
 
+# The metric sum that counts micro-batches: the actor's and critic's means divide by it.
+MICRO_BATCHES = "_micro_batches"
+
 
 @dataclass
 class UpdateStats:

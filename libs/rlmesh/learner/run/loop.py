@@ -370,7 +370,7 @@ class TrainingLoop:
         values = {
             "kl_coef": float(self.kl_ctrl.value),
             "kl_loss_coef": float(actor.kl_loss_coef),
-            "actor_lr": self.trainer.peak_lr(),
+            "actor_lr": self.trainer.actor_peak_lr(),
             "entropy_coeff": float(actor.entropy_coeff),
             "clip_ratio": float(actor.config.clip_ratio),
             # The tasks carry them as float32: shown at float32's precision (0.9, not 0.899999976).

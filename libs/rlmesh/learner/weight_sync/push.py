@@ -1,5 +1,5 @@
 """The trainer's side of weight sync: push named tensors to engines over torch.distributed, in
-SGLang's update cycle (docs/sglang.md); the helpers live in ``weight_*``."""
+SGLang's update cycle (docs/sglang.md); its helpers are the other modules of ``weight_sync``."""
 
 from __future__ import annotations
 
