@@ -15,7 +15,7 @@ endif
 
 help:
 	@echo "make demo    set everything up, then run the main job"
-	@echo "make test    run the whole test suite (what CI runs)"
+	@echo "make test    run the test suite (CI runs it, then make chaos: .ci/run)"
 	@echo "make lint    ruff;  make protos  regenerate gRPC code;  make bench  benchmarks"
 	@echo "make bench-peer  TRL 1.12's PPO and rlmesh on one task (PEER_ARGS='--steps 100 --seed 0')"
 
@@ -73,14 +73,20 @@ demo: venv redis-server
 demo-seeds: venv redis-server
 	$(BIN)/python benchmarks/demo_seeds.py $(DEMO_ARGS)
 
+# The test suite: every test but the scenarios with targets of their own (chaos, ray, compose,
+# security, sglang's contract), tests/e2e's whole jobs included, side by side on pytest-xdist
+# workers: the whole jobs in two lanes of one job at a time, the rest a module per worker at a
+# time (tests/conftest.py), longest first (--no-loadscope-reorder keeps that order).
+TEST_WORKERS ?= 3
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 test: venv redis-server test-tools
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not chaos and not ray and not compose and not sglang_contract and not e2e and not security" --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not chaos and not ray and not compose and not sglang_contract and not security" --durations=25
 
-# Every whole-job test of tests/e2e (about 15 minutes on 2 cores; `make test` runs only the smoke one):
+# Only the whole-job tests of tests/e2e (`make test` runs them too), in their two lanes:
 # the demo's lift, rlmesh train on a user's own model and data, resume, the estimators and losses,
 # DAPO, LoRA, several learner ranks, the control plane, the dashboard and the monitoring stack.
 test-e2e: venv redis-server test-tools
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "e2e and not ray and not compose" --durations=25 tests/e2e
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "e2e and not ray and not compose" --durations=25 tests/e2e
 
 # rlmesh against SGLang's own code (tests/contract; about 2 minutes once its venv is built, which takes
 # a few more the first time): a replica's flags through sglang 0.5.23's ServerArgs parser, every request
@@ -128,8 +134,9 @@ compose-test: venv redis-server
 security-test: venv redis-server
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m security tests/security
 
-# The chaos suite (whole jobs through kill -9 of every process and a network partition, about 10
-# minutes; not part of `make test`), printing how long each recovery took.
+# The chaos suite (whole jobs through kill -9 of every process and a network partition, about 4
+# minutes; not part of `make test`, but of .ci/run after it), printing how long each recovery took.
+# One scenario at a time: each measures how long its job takes to recover.
 chaos: venv redis-server
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider -m chaos tests/chaos
 

@@ -1,5 +1,5 @@
 """Offloaded optimizer states are stepped by DeepSpeed's CPU Adam on several threads and compute
-torch's AdamW (in `make test-e2e`: compiling the op on first use takes one to two minutes)."""
+torch's AdamW (compiling the op on first use takes one to two minutes)."""
 
 import torch
 

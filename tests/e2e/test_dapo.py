@@ -25,6 +25,7 @@ import pytest
 
 from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
+from rlmesh.job.preflight import DRY_ROWS
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from tests.support.jobs import Job
 from tests.support.repo import CPU_DEMO
@@ -32,6 +33,9 @@ from tests.support.repo import CPU_DEMO
 STEPS, PROMPTS, N, LENGTH = 3, 4, 4, 6  # steps, prompts per step, samples per prompt, response limit
 FACTOR = 0.5  # the overlong penalty at the response limit
 JOB_TIMEOUT_S = 400
+# The trace's first lines: the pre-flight calls the reward on the first train rows, twice each,
+# before the job starts; they score no group.
+DRY_CALLS = 2 * DRY_ROWS
 
 REWARD_FILE = '''"""A test's own reward: 0 for an even row, else the parity of the code points; traced."""
 
@@ -114,7 +118,7 @@ def test_dapo_trains_on_mixed_groups_refills_and_penalises_length(finished):
     assert [r["step"] for r in records] == [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     row_of = {item.index: item.row for item in dataset.items}
     scores: dict[int, list[float]] = defaultdict(list)
-    for call in read_jsonl(trace):
+    for call in read_jsonl(trace)[DRY_CALLS:]:
         scores[call["row"]].append(call["score"])
 
     def group_scores(prompt: int) -> list[float]:

@@ -33,7 +33,7 @@ from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2_grp
 from tests.support.polling import wait_until
 from tests.support.processes import pid_alive
 from tests.support.repo import CPU_DEMO
-from tests.support.stack import engine_url, engine_weights, prepare_model_and_data, run_overrides, start_peers
+from tests.support.stack import engine_url, engine_weights, run_overrides, start_peers
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +45,6 @@ SETTINGS = [
     "trainer.test_freq=-1",
     "trainer.save_freq=100",  # no periodic checkpoint in these runs, but one when a run ends
 ]
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return prepare_model_and_data(tmp_path_factory.mktemp("prep"))
 
 
 def learner_status(address: str) -> learner_pb2.LearnerStatus:

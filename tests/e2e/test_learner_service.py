@@ -20,12 +20,7 @@ from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.repo import CPU_DEMO, REPO
-from tests.support.stack import engine_url, prepare_model_and_data, start_peers
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return prepare_model_and_data(tmp_path_factory.mktemp("prep"))
+from tests.support.stack import engine_url, start_peers
 
 
 def start_stack(launcher, prepared, run_dir, extra):

@@ -39,7 +39,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.smoke  # the one whole job `make test` runs (tests/e2e/conftest.py)
 @pytest.mark.timeout(420)
 def test_gspo_job_clips_whole_sequences(tmp_path):
     files = make_files(tmp_path / "files")

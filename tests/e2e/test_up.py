@@ -1,5 +1,4 @@
-"""`rlmesh up` as a user runs it: Redis and every service started healthy, then all stopped (a
-whole stack: in `make test-e2e`, not `make test`)."""
+"""`rlmesh up` as a user runs it: Redis and every service started healthy, then all stopped."""
 
 import re
 
