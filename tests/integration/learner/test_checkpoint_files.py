@@ -38,9 +38,7 @@ def test_a_zero2_checkpoint_holds_no_secret_and_no_pickle_and_resumes(tiny_model
             for secret in (TOKEN, REDIS_PW, PROM_PW):
                 assert secret.encode() not in data, f"{secret} in {f}"
     saved = load_config(path / "config.yaml", [])  # `rlmesh export` loads it
-    assert (
-        saved.rlmesh.token() == "***" and saved.rlmesh.redis_url == "redis://rlmesh:***@127.0.0.1:6379/0"
-    )
+    assert saved.rlmesh.token() == "***" and saved.rlmesh.redis_url == "redis://rlmesh:***@127.0.0.1:6379/0"
     assert saved.rlmesh.control.prometheus_url == "http://admin:***@127.0.0.1:9090"
     assert sorted(p.name for p in (path / "rng").iterdir()) == ["rank_0.json"]
     assert set(json.loads((path / "rng" / "rank_0.json").read_text())) >= {"python", "numpy", "torch"}
