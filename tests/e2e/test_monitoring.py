@@ -27,6 +27,7 @@ from tests.support.monitoring import (
     scrape_config,
     selecting_expr,
 )
+from tests.support.polling import wait_until
 from tests.support.repo import CPU_DEMO
 
 STEPS = 100_000  # far more than the test waits for (a step takes under a second): it stops the run
@@ -135,16 +136,23 @@ def test_every_panel_and_alert_query_has_data_from_a_real_run(tmp_path):
     }
     job = Job.start(["-c", str(CPU_DEMO), *overrides(tmp_path)])
     try:
-        job.wait_for(r"^\[train\] control ", timeout_s=300)  # started last: every service is up
-        targets = scrape_targets(tmp_path / "run" / "services" / RUN_ID)
+        job.wait_for(r"^\[train\] control ", timeout_s=300)
         printed = job.wait_for(r"^\[train\] redis +(redis://\S+)", 1)[1]
-        targets["rlmesh-engine"] = engine_targets(
-            private_redis_url(tmp_path / "run" / "services" / RUN_ID, printed)
-        )
-        assert all(
-            targets.get(f"rlmesh-{s}")
-            for s in ("learner", "rollout", "reward", "reference", "engine", "control")
-        ), f"a service to scrape is missing: {targets}"
+        redis_url = private_redis_url(tmp_path / "run" / "services" / RUN_ID, printed)
+        targets: dict[str, list[str]] = {}
+
+        def every_service_up() -> bool:
+            # The services start side by side: a replica registers (and writes its ready file)
+            # once its engine has loaded, which may be after the control plane is up.
+            targets.clear()
+            targets.update(scrape_targets(tmp_path / "run" / "services" / RUN_ID))
+            targets["rlmesh-engine"] = engine_targets(redis_url)
+            return all(
+                targets.get(f"rlmesh-{s}")
+                for s in ("learner", "rollout", "reward", "reference", "engine", "control")
+            )
+
+        wait_until(every_service_up, 180, "every service's metrics address", every_s=0.5)
         with Prometheus(tmp_path / "prometheus", scrape_config(targets, [ALERTS])) as prom:
             prom.wait_ready()
             # The rules file loaded and evaluated: the watchdog fires on the first evaluation.
