@@ -1,8 +1,9 @@
 """Whole jobs through a kill: ``rlmesh train`` runs a small job (every service a real process, a
-real Redis), the test ``kill -9``s one process mid-run, and the job must still finish its planned
-steps having trained on every planned prompt group exactly once per step, each with all its samples
-(the audit in ``tests/support/jobs.py``). Each scenario states its bound as the deadline of the
-wait for the run to go on, and prints how long recovery took.
+real Redis), the test ``kill -9``s one process mid-run the moment it holds work (claimed tasks,
+decoding sequences, calls in flight, pending entries: ``work_of``), and the job must still finish
+its planned steps having trained on every planned prompt group exactly once per step, each with all
+its samples (the audit in ``tests/support/jobs.py``). Each scenario states its bound as the deadline
+of the wait for the run to go on, and prints what the kill hit and how long recovery took.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from rlmesh.queue import LEARNER_GROUP, ROLLOUT_GROUP, RunKeys
+from rlmesh.runtime.health import scrape_metrics
 from tests.support.jobs import (
     KILL_AT,
     LONG_RUN_STEPS,
@@ -22,11 +27,18 @@ from tests.support.jobs import (
     Job,
     audit,
     engine_of,
+    engine_url,
+    job_redis_url,
+    metric_sum,
+    metrics_port,
     overrides,
+    pending,
     recovery_s,
+    run_id_of,
     step_line,
     steps_started_after,
     stop_and_audit,
+    wait_for_work,
 )
 from tests.support.polling import wait_until
 from tests.support.processes import pid_alive
@@ -36,6 +48,47 @@ pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 # Enough that the job is still running when the kill lands (progress lines come per poll, and a
 # step of the demo takes 0.1 s on a fast machine), few enough for the resumed run to finish.
 LEARNER_KILL_STEPS = 60
+RPC_OF = {"reward": "/rlmesh.v1.Reward/Score", "reference": "/rlmesh.v1.Reference/LogProbs"}
+
+
+def work_of(job: Job, run_dir: Path, target: str) -> tuple[str, Callable[[], float]]:
+    """What a ``kill -9`` of ``target`` would lose, named, and how to count it now: a kill is shown
+    to hit work in flight only when the count was above 0 right before it."""
+    run_id = run_id_of(job)
+    redis_url, keys = job_redis_url(job, run_dir), RunKeys(run_id)
+    if target.startswith("engine of "):
+        url = engine_url(redis_url, run_id, target.split()[-1])
+
+        def running() -> float:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as page:
+                return metric_sum(page.read().decode(), "rlmesh_engine_running_sequences")
+
+        return "sequences decoding", running
+    if target.startswith("rollout-"):  # its consumer's claims on the prompt stream
+        return "prompt tasks claimed", lambda: pending(redis_url, keys.prompts, ROLLOUT_GROUP, target)
+    if target in RPC_OF:
+        port = metrics_port(run_dir, run_id, target)
+        return f"{RPC_OF[target]} calls in flight", lambda: metric_sum(
+            scrape_metrics("127.0.0.1", port), "rlmesh_rpc_in_flight", service=target, method=RPC_OF[target]
+        )
+    if target == "learner":  # trajectories it has read for its step and not yet committed
+        return "trajectories taken", lambda: pending(redis_url, keys.trajectories, LEARNER_GROUP, "learner-0")
+    assert target == "redis", target
+    return (
+        "stream entries pending",
+        lambda: (
+            pending(redis_url, keys.prompts, ROLLOUT_GROUP)
+            + pending(redis_url, keys.trajectories, LEARNER_GROUP)
+        ),
+    )
+
+
+def kill_at_work(job: Job, run_dir: Path, target: str, pid: int) -> str:
+    """``kill -9 pid`` as soon as ``target`` holds work (waited for); returns what it held."""
+    what, count = work_of(job, run_dir, target)
+    held = wait_for_work(count, f"{target} to hold {what}")
+    os.kill(pid, signal.SIGKILL)
+    return f"{held:g} {what}"
 
 
 def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]]) -> Job:
@@ -55,9 +108,9 @@ def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]])
         for target, restarted in targets:
             pid = engine_of(job.pid(target.split()[-1])) if target.startswith("engine") else job.pid(target)
             backs = job.count(rf"\] {restarted} is back")
-            os.kill(pid, signal.SIGKILL)
+            held = kill_at_work(job, run_dir, target, pid)
             at = time.time()
-            kills.append((target, pid, at))
+            kills.append((target, pid, at, held))
             wait_until(
                 lambda at=at: len(steps_started_after(run_dir, at)) >= 2,
                 RECOVERY_BOUND_S,
@@ -70,9 +123,10 @@ def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]])
         if job.proc.poll() is None:
             job.proc.send_signal(signal.SIGINT)
             job.proc.wait(timeout=60)
-    for target, pid, at in kills:
+    for target, pid, at, held in kills:
         print(
-            f"\n[chaos] kill -9 {target} (pid {pid}): first step after it done {recovery_s(run_dir, at):.1f} s later"
+            f"\n[chaos] kill -9 {target} (pid {pid}) holding {held}: first step after it done "
+            f"{recovery_s(run_dir, at):.1f} s later"
         )
     assert committed > KILL_AT + 2 * len(targets)
     return job
@@ -101,10 +155,11 @@ def test_a_killed_learner_fails_the_job_and_the_same_command_resumes(files, tmp_
     argv = ["-c", str(CPU_DEMO), *overrides(files, run_dir, LEARNER_KILL_STEPS)]
     job = Job.start(argv)
     job.wait_for(step_line(KILL_AT, LEARNER_KILL_STEPS), timeout_s=240)
-    os.kill(job.pid("learner"), signal.SIGKILL)
+    held = kill_at_work(job, run_dir, "learner", job.pid("learner"))
     assert job.finish(timeout_s=120) != 0
     assert "the learner failed" in job.tail()
     again = Job.start(argv)
     again.wait_for(r"resumed from the checkpoint of step \d+", timeout_s=240)
     assert again.finish(timeout_s=300) == 0, again.tail()
     audit(files, run_dir, LEARNER_KILL_STEPS)
+    print(f"\n[chaos] kill -9 learner holding {held}: {again.wait_for(r'resumed from .*', 0)[0]}")

@@ -40,6 +40,7 @@ from tests.support.jobs import (
     step_line,
     steps_started_after,
     stop_and_audit,
+    wait_for_work,
 )
 from tests.support.netproxy import PartitionableProxy
 from tests.support.polling import wait_until
@@ -130,6 +131,8 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
             )
             wait_until(lambda: tasks_done(grpc_port) >= 2, 240, f"{OUTSIDE} to finish tasks")
 
+            # Cut while it holds claims: the other replica must be shown to take them over.
+            held = wait_for_work(lambda: claims_held_by(redis_url, OUTSIDE), f"{OUTSIDE} to hold claims")
             for proxy in proxies:
                 proxy.partition()
             cut_at = time.time()
@@ -168,6 +171,7 @@ def test_a_partitioned_replica_is_replaced_and_its_late_results_are_not_trained_
         for proxy in proxies:
             proxy.close()
     print(
-        f"\n[chaos] partition of {OUTSIDE}: run went 2 steps on, replica expired and its claims taken over "
-        f"{went_on_s:.1f} s after the cut; back at work {back_s:.1f} s after the heal"
+        f"\n[chaos] partition of {OUTSIDE} holding {held:g} prompt tasks claimed: run went 2 steps on, "
+        f"replica expired and its claims taken over {went_on_s:.1f} s after the cut; back at work "
+        f"{back_s:.1f} s after the heal"
     )

@@ -1,14 +1,16 @@
 """The chaos tests' jobs: a small job's files and settings, ``rlmesh train`` as a subprocess
 whose output a test waits on, and the audit of what the learner trained on.
 
-The audit reads the learner's own record (``trained_groups.jsonl``: the groups and dataset indices
-of every committed step) and compares it with the plan the data cursor makes from the seed. The
+The audit reads the learner's own record (``trained_groups.jsonl``: the groups, dataset indices and
+prompt digests of every committed step, by learner incarnation) and compares it with the plan the
+data cursor makes from the seed, a failover's rolled-back steps included. The
 recovery settings are scaled down (claims reclaimed after 3 s, heartbeats expiring after 3 s, an
 engine given up after 4 s) so a failure is over in seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -18,14 +20,21 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
+
+import redis as redis_sync
 
 from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
+from rlmesh.learner.run.feeder import index_of
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
+from rlmesh.queue import RunKeys
+from rlmesh.v1 import trajectory_pb2
+from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.repo import CPU_DEMO, REPO
 
@@ -203,31 +212,182 @@ def engine_of(replica_pid: int) -> int:
     return engines[0]
 
 
-def planned_prompts(files: Files, run_dir: Path, steps: int) -> dict[int, list[int]]:
-    """Dataset indices of every step's prompts, as the learner's data cursor draws them."""
+class Planned(NamedTuple):
+    """A planned prompt: its dataset row and the digest of its token ids."""
+
+    index: int
+    digest: str
+
+
+def prompt_digest(prompt_ids: Sequence[int]) -> str:
+    """What the learner records per group (``prompt_digests``): the prompt ids it trained on, hashed."""
+    return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
+
+
+def plan_of(dataset: RLHFDataset, cursor: PromptCursor, batch: int, steps: int) -> dict[int, list[Planned]]:
+    """Every step's prompts as the learner's seeded cursor draws them, each row tokenized as the
+    learner's dataset tokenizes it."""
+    return {
+        s: [
+            Planned(dataset[i].index, prompt_digest(dataset[i].prompt_ids))
+            for i in cursor.next_indices(batch)
+        ]
+        for s in range(1, steps + 1)
+    }
+
+
+def planned_prompts(files: Files, run_dir: Path, steps: int) -> dict[int, list[Planned]]:
+    """The plan of a job of ``overrides``."""
     cfg = load_config(str(CPU_DEMO), overrides(files, run_dir, steps))
     dataset = RLHFDataset.from_config(cfg.data, load_tokenizer(files.model), split="train")
-    sampler = PromptCursor.from_config(cfg.data, dataset)
-    return {s: [dataset[i].index for i in sampler.next_indices(BATCH)] for s in range(1, steps + 1)}
+    return plan_of(dataset, PromptCursor.from_config(cfg.data, dataset), BATCH, steps)
 
 
 def audit(files: Files, run_dir: Path, steps: int) -> None:
     """Every planned step committed once with exactly its planned prompts, each group with all its
-    samples, and no group trained on twice (a resumed run's redone steps: the last record counts)."""
+    samples, and no group trained on twice."""
     audit_groups(run_dir / "trained_groups.jsonl", planned_prompts(files, run_dir, steps), N)
 
 
-def audit_groups(groups_path: Path, plan: dict[int, list[int]], n: int) -> None:
-    """``audit`` for any run: ``plan`` maps each step to its prompts' dataset indices."""
+def audit_groups(groups_path: Path, plan: dict[int, list[Planned]], n: int) -> None:
+    """``audit`` for any run: ``plan`` maps each step to its prompts. Every record must hold its
+    step's planned prompts, each group ``n`` samples of its own dataset row; a failover's redone
+    steps must each be the one record of their step still standing (``standing_records``)."""
     rows = [json.loads(line) for line in groups_path.read_text().splitlines()]
-    last = {row["step"]: row for row in rows}
-    assert sorted(last) == sorted(plan), f"steps trained {sorted(last)} != planned {sorted(plan)}"
-    for step, row in sorted(last.items()):
-        assert Counter(row["prompts"]) == Counter(plan[step]), f"step {step} trained on other prompts"
-        samples = list(row["groups"].values())
-        assert samples == [n] * len(plan[step]), f"step {step}: samples per group {row['groups']}"
-    groups = [g for row in last.values() for g in row["groups"]]
-    assert len(set(groups)) == len(groups), "a group was trained on in two steps"
+    for row in rows:
+        check_record(row, plan, n)
+    standing = standing_records(rows)
+    assert sorted(standing) == sorted(plan), f"steps trained {sorted(standing)} != planned {sorted(plan)}"
+    groups = [g for row in standing.values() for g in row["groups"]]
+    twice = sorted(g for g, k in Counter(groups).items() if k > 1)
+    steps_of = {g: [s for s, row in sorted(standing.items()) if g in row["groups"]] for g in twice}
+    assert not twice, f"groups trained on in two steps: {steps_of}"
+
+
+def check_record(row: dict[str, Any], plan: dict[int, list[Planned]], n: int) -> None:
+    """One record of ``trained_groups.jsonl``, whether it stands or was rolled back: its step's
+    planned prompts, ``n`` samples a group, and each group's prompt ids its dataset row's."""
+    step, where = row["step"], f"step {row['step']} (incarnation {row['incarnation']})"
+    assert step in plan, f"{where} was recorded but not planned (planned: 1..{max(plan, default=0)})"
+    planned = plan[step]
+    assert all(isinstance(p, Planned) for p in planned), f"the plan of step {step} has no prompt digests"
+    assert Counter(row["prompts"]) == Counter(p.index for p in planned), (
+        f"{where} trained on prompts {sorted(row['prompts'])}, planned {sorted(p.index for p in planned)}"
+    )
+    samples = list(row["groups"].values())
+    assert samples == [n] * len(planned), f"{where}: samples per group {row['groups']}, not {n} each"
+    # Fails loudly on a record of a learner older than the field: test runs write fresh files.
+    assert "prompt_digests" in row, f"{where}: no prompt_digests (a learner older than this audit)"
+    digest_of = {p.index: p.digest for p in planned}
+    assert sorted(row["prompt_digests"]) == sorted(row["groups"]), f"{where}: digests of other groups"
+    for group, digest in row["prompt_digests"].items():
+        expected = digest_of.get(index_of(group))
+        assert digest == expected, (
+            f"{where}: group {group} trained on prompt ids {digest}, not dataset row {index_of(group)}'s {expected}"
+        )
+
+
+def standing_records(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step -> the record that stands, from the records in the order the learners wrote them.
+
+    A learner records step s before it checkpoints s, and one resumed from the checkpoint of step c
+    records c+1, c+2, ... So each learner records consecutive steps, and its first, f, says it
+    resumed from the checkpoint of f-1: f-1 stands (or f is 1: a fresh start), and every step >= f
+    that earlier learners recorded was rolled back and must be recorded again, by it or a later one.
+    A new learner shows as a new incarnation number, or as the same number at a step not above the
+    last (a job started again counts from 1 again: its incarnations are its Redis's)."""
+    standing: dict[int, dict[str, Any]] = {}
+    rolled_back: dict[int, str] = {}  # step -> why it must be recorded again
+    previous: dict[str, Any] | None = None
+    for row in rows:
+        step, incarnation = row["step"], row["incarnation"]
+        same_learner = (
+            previous is not None and incarnation == previous["incarnation"] and step > previous["step"]
+        )
+        if same_learner:
+            assert previous is not None
+            assert step == previous["step"] + 1, (
+                f"step {step}: incarnation {incarnation} recorded it after step {previous['step']} "
+                f"(a learner records every step, in order)"
+            )
+        else:  # a new learner: it resumed from the checkpoint of step - 1
+            assert step == 1 or step - 1 in standing, (
+                f"step {step}: incarnation {incarnation} began at it, but step {step - 1} (the checkpoint "
+                f"it resumed from) stands in no record"
+            )
+            for gone in [s for s in standing if s >= step]:
+                rolled_back[gone] = (
+                    f"incarnation {standing[gone]['incarnation']} recorded it, and incarnation {incarnation} "
+                    f"resumed at step {step}"
+                )
+                del standing[gone]
+        standing[step] = row
+        rolled_back.pop(step, None)
+        previous = row
+    assert not rolled_back, "rolled back and never recorded again: " + "; ".join(
+        f"step {s}: {why}" for s, why in sorted(rolled_back.items())
+    )
+    return standing
+
+
+# ----- work in flight: what a kill must be shown to hit -----
+def run_id_of(job: Job) -> str:
+    return job.wait_for(r"^\[train\] run (\S+): checkpoints", timeout_s=240)[1]
+
+
+def job_redis_url(job: Job, run_dir: Path) -> str:
+    """The URL of the Redis ``job`` started, password included."""
+    printed = job.wait_for(r"^\[train\] redis +(redis://\S+)", timeout_s=240)[1]
+    return private_redis_url(run_dir / "services" / run_id_of(job), printed)
+
+
+def pending(redis_url: str, stream: str, group: str, consumer: str | None = None) -> int:
+    """Entries of ``stream`` handed to ``group`` (to ``consumer`` of it, if given) and not yet acked."""
+    with redis_sync.Redis.from_url(redis_url, decode_responses=True) as client:
+        try:
+            summary = client.xpending(stream, group)
+        except redis_sync.ResponseError:  # NOGROUP: no consumer has read the stream yet
+            return 0
+    if consumer is None:
+        return int(summary["pending"])
+    return sum(int(c["pending"]) for c in summary["consumers"] or [] if c["name"] == consumer)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in a Prometheus page whose labels include ``labels``."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m[1] or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m[2])
+    return total
+
+
+def metrics_port(run_dir: Path, run_id: str, service: str) -> int:
+    """The metrics port of a service the job started, from its ready file."""
+    ready = run_dir / "services" / run_id / f"{service}.ready.json"
+    return int(json.loads(ready.read_text())["metrics_port"])
+
+
+def engine_url(redis_url: str, run_id: str, replica_id: str) -> str:
+    """The engine address a replica registered."""
+    with redis_sync.Redis.from_url(redis_url) as client:
+        value = client.get(RunKeys(run_id).replica(replica_id))
+    assert value, f"{replica_id} is not registered"
+    return trajectory_pb2.ReplicaRegistration.FromString(value).engine_url
+
+
+def wait_for_work(read: Callable[[], float], what: str, timeout_s: float = RECOVERY_BOUND_S) -> float:
+    """Polls ``read`` (the work a process holds) until it is above 0, and returns it: a kill right
+    after hits work in flight (each poll is a round trip: the target may finish it meanwhile)."""
+    seen = [0.0]
+
+    def has_work() -> bool:
+        seen[0] = read()
+        return seen[0] > 0
+
+    wait_until(has_work, timeout_s, what)
+    return seen[0]
 
 
 def committed_steps(run_dir: Path) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -445,6 +446,13 @@ class TrainingLoop:
                 t.group_uid: t.baseline_score for t in collected.trajectories if t.HasField("baseline_score")
             },
         }
+        # Per group, a digest of the prompt ids its samples trained on: the audit compares it with
+        # the dataset row the group's uid names (samples that disagree show as several, joined).
+        digests: dict[str, set[str]] = {}
+        for t in collected.trajectories:
+            ids = ",".join(map(str, t.prompt_ids)).encode()
+            digests.setdefault(t.group_uid, set()).add(hashlib.sha256(ids).hexdigest()[:16])
+        row["prompt_digests"] = {g: ",".join(sorted(digests.get(g, set()))) for g in collected.groups}
         if self.filter_groups.enable:  # consumed, not trained: dynamic sampling dropped them
             row["filtered"] = dict(collected.filtered)
             row["filtered_prompts"] = [index_of(g) for g in collected.filtered]
