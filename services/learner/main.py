@@ -32,7 +32,8 @@ def make_build(ranks: LocalRanks):  # type: ignore[no-untyped-def]
             learner_pb2_grpc.add_LearnerServicer_to_server, LearnerServicer(run.loop), SERVICE_NAME
         )
         service.on_start(run.start)
-        service.on_shutdown(run.stop)
+        # A lost rank took its shard of the state along: no checkpoint could be whole.
+        service.on_shutdown(lambda: run.stop(checkpoint=ranks.lost is None))
 
     return build
 

@@ -19,6 +19,7 @@ import pytest
 
 from rlmesh.queue import LEARNER_GROUP, ROLLOUT_GROUP, RunKeys
 from rlmesh.runtime.health import scrape_metrics
+from rlmesh.runtime.launcher import EXIT_RESTART
 from tests.support.jobs import (
     KILL_AT,
     LONG_RUN_STEPS,
@@ -149,17 +150,70 @@ def test_a_run_goes_on_through_kill_9_of_every_process_but_the_learner(files, tm
     assert "engine lost (its process exited with code -9" in log
 
 
-@pytest.mark.timeout(600)
-def test_a_killed_learner_fails_the_job_and_the_same_command_resumes(files, tmp_path):
-    run_dir = tmp_path / "run"
-    argv = ["-c", str(CPU_DEMO), *overrides(files, run_dir, LEARNER_KILL_STEPS)]
-    job = Job.start(argv)
-    job.wait_for(step_line(KILL_AT, LEARNER_KILL_STEPS), timeout_s=240)
-    held = kill_at_work(job, run_dir, "learner", job.pid("learner"))
-    assert job.finish(timeout_s=120) != 0
-    assert "the learner failed" in job.tail()
-    again = Job.start(argv)
-    again.wait_for(r"resumed from the checkpoint of step \d+", timeout_s=240)
-    assert again.finish(timeout_s=300) == 0, again.tail()
+def learner_rank(job: Job, rank: int) -> int:
+    """The pid of learner rank ``rank``: rank 0 is the service, ranks 1.. its children."""
+    service = job.pid("learner")
+    if rank == 0:
+        return service
+    children = []
+    for task in Path(f"/proc/{service}/task").iterdir():
+        children += [int(p) for p in (task / "children").read_text().split()]
+    ranks = {
+        int(env[5:]): child
+        for child in children
+        for env in Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if env.startswith(b"RANK=")
+    }
+    assert rank in ranks, f"no learner rank {rank} among the children of {service}: {ranks}"
+    return ranks[rank]
+
+
+def kill_learner_twice(files: Files, run_dir: Path, rank: int, extra: list[str]) -> list[str]:
+    """Runs a job of LEARNER_KILL_STEPS steps and ``kill -9``s learner rank ``rank`` twice, each
+    time while it holds trajectories of a step, the second once the replaced learner committed two
+    steps. No one acts: `rlmesh train` must replace the learner each time and finish the plan, and
+    the audit hold across both failovers. Returns a line per kill: what it hit, the time from it to
+    the next committed step, and the steps done again."""
+    job = Job.start(["-c", str(CPU_DEMO), *overrides(files, run_dir, LEARNER_KILL_STEPS), *extra])
+    kills = []
+    try:
+        job.wait_for(step_line(KILL_AT, LEARNER_KILL_STEPS), timeout_s=240)
+        for _ in range(2):
+            backs = job.count(r"\] learner is back")
+            held = kill_at_work(job, run_dir, "learner", learner_rank(job, rank))
+            at = time.time()
+            kills.append((at, held))
+            job.wait_for_count(r"\] learner is back", backs + 1, timeout_s=RECOVERY_BOUND_S)
+            wait_until(
+                lambda at=at: len(steps_started_after(run_dir, at)) >= 2,
+                RECOVERY_BOUND_S,
+                "two steps of the new learner",
+            )
+        assert job.finish(timeout_s=300) == 0, job.tail()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=60)
+    code = -9 if rank == 0 else EXIT_RESTART
+    assert job.count(rf"\] learner exited with code {code}: restarting it") == 2, job.tail()
     audit(files, run_dir, LEARNER_KILL_STEPS)
-    print(f"\n[chaos] kill -9 learner holding {held}: {again.wait_for(r'resumed from .*', 0)[0]}")
+    lines = []
+    for at, held in kills:
+        first = steps_started_after(run_dir, at)[0]
+        lines.append(
+            f"kill -9 learner rank {rank} holding {held}: next step committed {recovery_s(run_dir, at):.1f} s "
+            f"later, {first['training/redone_steps']:.0f} step(s) done again"
+        )
+    for line in lines:
+        print(f"\n[chaos] {line}")
+    return lines
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_learner_is_replaced_twice_and_the_run_finishes_its_plan(files, tmp_path):
+    kill_learner_twice(files, tmp_path / "run", 0, [])
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_rank_of_a_two_rank_learner_is_replaced_twice(files, tmp_path):
+    kill_learner_twice(files, tmp_path / "run", 1, ["rlmesh.learner.ranks=2"])

@@ -56,6 +56,9 @@ def test_a_job_with_a_colocated_reference_runs_without_a_reference_service(tmp_p
         assert r["timing_start/ref"] <= r["timing_start/old_log_prob"]
     # Step 1's policy is the reference (KL 0 up to float noise); after updates it is not (the
     # sampled estimate of the KL can be either sign).
-    assert abs(train[0]["actor/reward_kl_penalty"]) < 1e-4
-    # (one step's sampled estimate may land near 0 by chance: the largest of the later ones is not)
-    assert max(abs(r["actor/reward_kl_penalty"]) for r in train[1:]) > 1e-4
+    noise = abs(train[0]["actor/reward_kl_penalty"])
+    assert noise < 1e-4
+    # (one step's sampled estimate may land near 0 by chance: the largest of the later ones does
+    # not, though how far the tiny policy moves varies, 5e-5 to 1e-3: well above float noise,
+    # which is all a reference that moved with the policy would give)
+    assert max(abs(r["actor/reward_kl_penalty"]) for r in train[1:]) > max(1e-6, 10 * noise)

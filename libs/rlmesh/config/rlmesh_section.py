@@ -343,8 +343,9 @@ class RuntimeConfig(Section):
     max_restarts_per_hour: int = Field(
         6,
         ge=0,
-        description="`rlmesh train` restarts a crashed replica, reward, reference or Redis at most this "
-        "often per hour each, then fails the job; 0 = a crash fails the job",
+        description="`rlmesh train` restarts a crashed replica, reward, reference, Redis or learner (one "
+        "killed, or with a rank lost) at most this often per hour each, then fails the job; 0 = a crash "
+        "fails the job",
     )
     grpc_max_request_mb: int = Field(
         64,

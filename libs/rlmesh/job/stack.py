@@ -175,7 +175,8 @@ class Stack:
     def restart(self, name: str) -> ManagedProcess:
         """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:
         Redis on its port with its data dir (its append-only file brings the run's queues back),
-        reward and reference on their gRPC port (replicas and the learner were given it), a rollout
+        reward and reference on their gRPC port (replicas and the learner were given it), the
+        learner on its gRPC port too (the control plane was given it) with every rank, a rollout
         replica on new ports under the same replica id (it registers them). Raises ``LaunchError``
         when it does not come up healthy."""
         assert self.launcher is not None, "restart needs the launcher start_stack was given"
@@ -187,7 +188,7 @@ class Stack:
         old = self.get(name)
         assert old is not None
         keep = []
-        if service in ("reward", "reference", "control"):  # where the others (and people) reach it
+        if service in ("reward", "reference", "control", "learner"):  # where the others (and people) reach it
             keep = [f"rlmesh.{service}.port={old.grpc_address.rsplit(':', 1)[1]}"]
         instance = self.launcher.start_service(
             service,

@@ -147,32 +147,46 @@ class RestartBudget:
 
 
 class Supervisor:
-    """Restarts every service of ``stack`` that dies, except the learner (the job's own process: its
-    exit ends the job). Restarts run one at a time in a worker thread, so the progress lines and the
-    watch on the other services go on while a replica reloads its model. The worker lives as long
-    as the job: a child gets its parent-death signal when the thread that spawned it ends."""
+    """Restarts every service of ``stack`` that dies, the learner included when it died rather than
+    failed (``restartable``: killed, or a rank of it lost) and its run is not over: a new learner
+    takes the run's lease, resumes from the latest checkpoint and pushes its weights to the
+    replicas, which, like Redis, reward and reference, go on running. A learner that failed by
+    itself (an error in its run) is not restarted: the job ends, naming it. Restarts run one at a
+    time in a worker thread, so the progress lines and the watch on the other services go on while
+    a replica reloads its model. The worker lives as long as the job: a child gets its parent-death
+    signal when the thread that spawned it ends."""
 
-    def __init__(self, stack: Any, learner: Any, restarts: RestartBudget, say: Say) -> None:
-        self.stack, self.learner, self.restarts, self.say = stack, learner, restarts, say
+    def __init__(self, stack: Any, restarts: RestartBudget, say: Say) -> None:
+        self.stack, self.restarts, self.say = stack, restarts, say
         self.restarting: set[str] = set()
         self.failure = ""
+        self.run_over = False  # set once the learner's run ended: its exit is then no death
+        self.restarted = threading.Event()  # set as each restarted service is back
         self._todo: queue.Queue[tuple[str, str]] = queue.Queue()
         threading.Thread(target=self._work, daemon=True, name="supervisor").start()
 
     def check(self) -> str:
         """Queues a restart for each newly dead service; returns why the job must fail instead (a
         service over its restart budget, or one that did not come back healthy), else ""."""
+        from rlmesh.runtime.launcher import restartable
+
         for name, proc in self.stack.processes():
-            if proc is self.learner or proc.alive() or name in self.restarting or self.failure:
+            if proc.alive() or name in self.restarting or self.failure:
                 continue
-            died = f"{name} exited with code {proc.popen.returncode} while the learner ran; its log: {proc.log_path}"
+            code = proc.popen.returncode
+            if name == "learner" and (self.run_over or not restartable(code)):
+                continue  # follow_learner ends the job: its run is over, or failed by itself
+            died = f"{name} exited with code {code} while the learner ran; its log: {proc.log_path}"
+            if name == "learner":
+                died = f"the learner died (exit code {code}); its log: {proc.log_path}"
             attempt = self.restarts.take(name)
             if not attempt:
                 self.failure = f"{died} (restarted {self.restarts.per_hour} times within the hour already)"
                 break
+            keeps = "; Redis, reward, reference and the replicas go on" if name == "learner" else ""
             self.say(
-                f"{name} exited with code {proc.popen.returncode}: restarting it "
-                f"({attempt} of {self.restarts.per_hour} this hour)"
+                f"{name} exited with code {code}: restarting it ({attempt} of {self.restarts.per_hour} "
+                f"this hour){keeps}"
             )
             self.restarting.add(name)
             self._todo.put((name, died))
@@ -190,6 +204,8 @@ class Supervisor:
                 continue
             self.say(f"{name} is back (pid {new.pid})")
             self.restarting.discard(name)
+            self.restarted.set()
+            self.restarted.clear()
 
 
 def learner_state(phase: str, message: str) -> str:
@@ -233,16 +249,16 @@ def follow_learner(
     follower: MetricsFollower,
     say: Say,
 ) -> str:
-    """Follows the learner until its run is over (its status says so, or its process exited): a
-    line per step (from its metrics rows), what it is doing before its first step (from its
-    status), and a restart for any other service that dies (``Supervisor``). Returns why the job
-    must fail because a service could not be kept up, else ""."""
+    """Follows the learner until its run is over (its status says so, or its process exited not
+    to be restarted): a line per step (from its metrics rows), what it is doing before its first
+    step (from its status), and a restart for any service that dies, the learner included
+    (``Supervisor``). Returns why the job must fail because a service could not be kept up, else
+    ""."""
     import grpc
 
     from rlmesh.runtime.auth import bearer_metadata
     from rlmesh.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 
-    learner = stack.learner
     metadata = bearer_metadata(cfg.rlmesh.token())
     total, announced = cfg.trainer.total_training_steps or 0, ""
     known_total = 0  # the run's steps as the learner counts them (0: not heard from it yet)
@@ -264,7 +280,8 @@ def follow_learner(
             ended = float(row.get("time", time.time()))
             if first is None:
                 first = step - 1
-                started = float(row.get("timing_start/step", ended - float(row["timing_s/step"])))
+                if started is None:  # a replaced learner's rows go on from the first one's
+                    started = float(row.get("timing_start/step", ended - float(row["timing_s/step"])))
                 if first:
                     say(f"resumed from the checkpoint of step {first}")
             assert started is not None
@@ -273,15 +290,28 @@ def follow_learner(
             if known_total and step >= known_total:
                 last_row = True
 
-    supervisor = Supervisor(
-        stack, learner.process, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say
-    )
-    with sync_channel(learner.grpc_address) as channel:
-        stub = learner_pb2_grpc.LearnerStub(channel)
-        while learner.process.alive():
+    supervisor = Supervisor(stack, RestartBudget(cfg.rlmesh.runtime.max_restarts_per_hour), say)
+    process, channel, stub = None, None, None
+    try:
+        while True:
             failure = supervisor.check()
             if failure:
                 return failure
+            if stack.learner.process is not process:  # the first, or a new learner: dial it afresh
+                process = stack.learner.process
+                first = None  # its first row says which checkpoint it resumed from
+                if channel is not None:
+                    channel.close()
+                channel = sync_channel(stack.learner.grpc_address)
+                stub = learner_pb2_grpc.LearnerStub(channel)
+            if not process.alive():
+                if supervisor.check():  # it may have died since the check above
+                    return supervisor.failure
+                if "learner" not in supervisor.restarting:  # its run is over, or it failed by itself
+                    break
+                show_steps()
+                supervisor.restarted.wait(1.0)  # back, or a second on: the other services' checks
+                continue
             try:
                 st, refused = stub.GetStatus(common_pb2.Empty(), timeout=5, metadata=metadata), False
             except grpc.RpcError as e:
@@ -293,8 +323,9 @@ def follow_learner(
             # Over: it says so, or, its last step written, its server went away, which it only
             # does once its run let go of everything (LearnerRun: on_end). Its exit takes seconds.
             if (st is not None and learner_pb2.LearnerPhase.Name(st.phase) in RUN_OVER) or (
-                refused and last_row
+                refused and last_row and process.alive()
             ):
+                supervisor.run_over = True
                 break
             if st is not None and first is None:  # before this run's first step: what it is doing
                 phase = learner_pb2.LearnerPhase.Name(st.phase).removeprefix("LEARNER_PHASE_").lower()
@@ -305,11 +336,14 @@ def follow_learner(
             # A status a second; the rows more often, and back at once when the learner exits.
             for _ in range(5 if st is not None else 2):
                 try:
-                    learner.process.popen.wait(timeout=0.2)
+                    process.popen.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
                     show_steps()
                 else:
                     break
+    finally:
+        if channel is not None:
+            channel.close()
     show_steps()  # the learner may finish between two polls
     return ""
 
@@ -398,11 +432,11 @@ def run_job(
                 written = run_files.write(info)
                 where = f"(run file {written[0]})" if written else f"with --url {stack.control_url}"
                 say(f"{'':<12} rlmesh ctl status reaches it {where}")
-            learner = stack.learner
-            assert learner is not None
             if after_start is not None:
                 after_start(stack)
             result.failure = follow_learner(stack, cfg, follower, say)
+            learner = stack.learner  # the last one started: the supervisor may have replaced it
+            assert learner is not None
         except KeyboardInterrupt:
             # Ctrl-C, or SIGTERM (rlmesh.cli): the learner ends its step and writes a checkpoint,
             # which the same command resumes from; everything else stops after it.

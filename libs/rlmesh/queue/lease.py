@@ -26,6 +26,31 @@ _RENEW = (
     "return 0"
 )
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# Take the key over from ARGV[1], a holder known dead, unless it changed hands meanwhile.
+_TAKE_OVER = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return false"
+)
+
+
+def dead_here(holder: bytes | None) -> bool:
+    """Whether ``holder`` (a lease's value) names a process of this host that no longer exists:
+    its lease can be taken at once instead of waited out. A process of another host (or container:
+    another hostname), or a value that is not a holder's, never counts as dead."""
+    try:
+        who = json.loads(holder or b"")
+        host, pid = who["host"], int(who["pid"])
+    except (ValueError, TypeError, KeyError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 class LeaseHeldError(RuntimeError):
@@ -44,12 +69,18 @@ class RunLease:
         self.lost = False  # set when a renewal found the key gone or someone else's
 
     async def acquire(self, wait_s: float | None = None) -> None:
-        """Takes the lease, waiting up to ``wait_s`` (default 1.5 leases: a dead holder's runs out)."""
+        """Takes the lease, waiting up to ``wait_s`` (default 1.5 leases: a dead holder's runs out);
+        at once from a holder of this host whose process is gone (``dead_here``)."""
         wait_s = 1.5 * self.lease_ms / 1000 if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         announced = False
         while not await self.redis.set(self.key, self.token, nx=True, px=self.lease_ms):
             holder = await self.redis.get(self.key)
+            if dead_here(holder) and await self.redis.eval(
+                _TAKE_OVER, 1, self.key, holder, self.token, self.lease_ms
+            ):
+                log.warning("%s was held by %s, which is dead: took it over", self.key, holder)
+                return
             if time.monotonic() > deadline:
                 raise LeaseHeldError(
                     f"{self.key} is held by another {self.what} ({(holder or b'?').decode(errors='replace')}), which keeps "

@@ -39,6 +39,16 @@ _PR_SET_PDEATHSIG = 1
 LOG_MAX_BYTES = 64 << 20
 LOG_BACKUPS = 3
 LOG_CHECK_S = 5.0
+# A service that exits with this code (sysexits' EX_TEMPFAIL) lost a part of itself it cannot do
+# without, not to its own fault (the learner: one of its ranks died); starting it again is the cure.
+EXIT_RESTART = 75
+
+
+def restartable(returncode: int | None) -> bool:
+    """Whether a service that exited with ``returncode`` died rather than failed: killed by a
+    signal (the OOM killer, ``kill -9``), or ``EXIT_RESTART``. A failure it reported itself (exit
+    1: an error in its run, 2: its config) would only repeat."""
+    return returncode is not None and (returncode < 0 or returncode in (EXIT_RESTART, 128 + 9))
 
 
 def open_private_log(path: Path) -> int:

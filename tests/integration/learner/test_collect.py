@@ -89,6 +89,27 @@ async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_
     await redis.aclose()
 
 
+async def test_samples_of_weights_the_learner_never_had_are_refused_and_their_groups_requeued(redis_url):
+    # A learner resumed from the checkpoint of v4 after its predecessor had pushed v5..v7 pushes as
+    # v8: samples of v5..v7 (an engine that missed the push) and of versions past its own are not
+    # of its policy's lineage, however fresh their number looks.
+    redis, _keys, producer, _learner, collector = await setup(redis_url, max_staleness=4)
+    collector.refused_versions = [(5, 7)]
+    kept, rolled_back, ahead = group_uid(3, 5, 0), group_uid(3, 5, 1), group_uid(3, 5, 2)
+    requeued = []
+
+    async def requeue(t):
+        requeued.append(t.group_uid)
+
+    await producer.put(group(rolled_back, 2, version=7) + group(ahead, 2, version=9))
+    await producer.put(group(kept, 1, version=4) + group(kept, 2, version=8)[1:])  # v4: before the checkpoint
+    batch = await collector.collect(1, version=8, timeout_s=30, requeue=requeue)
+    assert {t.group_uid for t in batch.trajectories} == {kept}
+    assert sorted(requeued) == sorted([rolled_back, ahead])
+    assert batch.counts["rolled_back_policy"] == 4 and batch.counts["stale"] == 0
+    await redis.aclose()
+
+
 async def test_stale_old_incarnation_invalid_and_duplicate_trajectories_are_filtered(redis_url):
     redis, _keys, producer, learner, collector = await setup(redis_url, max_staleness=1)
     fresh, stale, old, bad = group_uid(3, 5, 0), group_uid(3, 5, 1), group_uid(2, 5, 2), group_uid(3, 5, 3)

@@ -1,6 +1,11 @@
 """One learner per run id: ``RunLease`` against a real redis-server."""
 
 import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -43,3 +48,33 @@ async def test_a_holder_learns_it_lost_the_key_and_takes_back_an_expired_one(red
     await redis.set(key, "someone else")
     await asyncio.wait_for(keeper, timeout=5)  # returns once it sees another holder
     assert lease.lost
+
+
+def holder_token(host: str, pid: int) -> str:
+    return json.dumps({"host": host, "pid": pid, "since": 0})
+
+
+async def test_a_dead_process_of_this_host_loses_its_lease_at_once(redis, keys):
+    key = keys.scoped("learner_lease")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    await redis.set(key, holder_token(socket.gethostname(), gone.pid), px=60_000)
+    successor = RunLease(redis, key, lease_s=60)
+    await successor.acquire(wait_s=0)  # a minute's lease, not waited out
+    assert await redis.get(key) == successor.token.encode()
+
+
+@pytest.mark.parametrize("where", ["live here", "dead elsewhere", "not a holder"])
+async def test_a_live_holder_or_one_of_another_host_keeps_its_lease(redis, keys, where):
+    key = keys.scoped("learner_lease")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    value = {
+        "live here": holder_token(socket.gethostname(), os.getppid()),
+        "dead elsewhere": holder_token(f"not-{socket.gethostname()}", gone.pid),
+        "not a holder": "someone",
+    }[where]
+    await redis.set(key, value, px=60_000)
+    with pytest.raises(LeaseHeldError):
+        await RunLease(redis, key, lease_s=60).acquire(wait_s=0)
+    assert await redis.get(key) == value.encode()

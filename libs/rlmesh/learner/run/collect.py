@@ -70,8 +70,17 @@ class BatchCollector:
         self.groups: OrderedDict[str, Group] = OrderedDict()
         self._discarded_ids: list[bytes] = []
         self._discarded_uids: list[str] = []
-        self.counts = {"stale": 0, "old_incarnation": 0, "abandoned_group": 0, "invalid": 0, "duplicates": 0}
+        self.counts = dict.fromkeys(
+            ("stale", "rolled_back_policy", "old_incarnation", "abandoned_group", "invalid", "duplicates"), 0
+        )
+        # Policy versions a learner before this one pushed past the checkpoint this one resumed
+        # from (TrainingLoop: versions are never reused): weights the run no longer has.
+        self.refused_versions: list[tuple[int, int]] = []
         self._held: set[str] = set()  # uids claimed and not yet committed: a second copy is redundant
+
+    def refused_policy(self, policy_version: int, version: int) -> bool:
+        """A sample of weights the learner never had: newer than its own, or rolled back."""
+        return policy_version > version or any(lo <= policy_version <= hi for lo, hi in self.refused_versions)
 
     async def _add(
         self, traj: Trajectory, entry_id: bytes, version: int, stale_groups: dict[str, Trajectory]
@@ -84,8 +93,9 @@ class BatchCollector:
             self.counts["abandoned_group"] += 1
             self._discard(traj, entry_id)
             return
-        if traj.policy_version < version - self.max_staleness:
-            self.counts["stale"] += 1
+        refused = self.refused_policy(traj.policy_version, version)
+        if traj.policy_version < version - self.max_staleness or refused:
+            self.counts["rolled_back_policy" if refused else "stale"] += 1
             self._discard(traj, entry_id)
             stale_groups.setdefault(traj.group_uid, traj)
             earlier = self.groups.pop(traj.group_uid, None)

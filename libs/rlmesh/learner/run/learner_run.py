@@ -57,8 +57,10 @@ class LearnerRun:
         finally:
             self.on_end(code)  # the other ranks have been told: their exit is expected now
 
-    async def stop(self) -> None:
-        self.loop.state.stop_requested = True  # SIGTERM: finish the step, checkpoint, stop
+    async def stop(self, checkpoint: bool = True) -> None:
+        """SIGTERM: finish the step, checkpoint (unless told not to), stop."""
+        self.loop.state.stop_requested = True
+        self.loop.state.stop_checkpoint = self.loop.state.stop_checkpoint and checkpoint
         if self._task is not None and not self._task.done():
             await self._task
         # The run tells the other ranks to stop when it ends; one that never began (the server

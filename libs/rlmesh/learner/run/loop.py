@@ -39,6 +39,7 @@ from rlmesh.learner.run.wiring import RunWiring, sampling_params, wire_run
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import RunKeys, retry_redis_with_deadline
 from rlmesh.queue.connection import TRANSIENT_ERRORS
+from rlmesh.queue.policy import read_policy
 from rlmesh.queue.retention import expire_run_keys
 from rlmesh.queue.run_info import publish_step_metrics
 from rlmesh.queue.signing import expose_untrusted
@@ -131,6 +132,10 @@ class TrainingLoop:
         self.gen_batches = GenBatches(cfg.data.train_batch_size, self.filter_groups.max_num_gen_batches)
         self.reward_rule = RewardErrorRule.from_config(cfg)
         self._reward_failure_quoted = False  # the run's first failed reward is logged in full, once
+        # Policy versions pushed past the checkpoint a learner resumed from, by the one that died
+        # (``_roll_forward``); kept in checkpoints while samples of them could still arrive.
+        self.refused_versions: list[tuple[int, int]] = []
+        self.redone_steps = 0  # steps a learner before this one trained past its checkpoint
 
     # ----- the run -----
     async def run(self) -> None:
@@ -156,6 +161,7 @@ class TrainingLoop:
             await self._resume()
             if st.step == 0:  # an engine that has not had the push below takes no work
                 st.version = first_policy_version(cfg.actor_rollout_ref.model.lora_adapter_path)
+            await self._roll_forward(w)
             st.phase = "PUSHING_WEIGHTS"
             self.progress(f"run {self.keys.run_id}: {st.total_steps} steps, waiting for rollout replicas")
             await wait_for_replicas(st, w.push.live_engines)
@@ -225,7 +231,25 @@ class TrainingLoop:
         for name in ("temperature", "top_p"):
             if name in sampling:
                 setattr(self.sampling, name, float(sampling[name]))
+        self.refused_versions = [(int(lo), int(hi)) for lo, hi in extra.get("refused_versions", [])]
         self.state.last_checkpoint = path
+
+    async def _roll_forward(self, w: RunWiring) -> None:
+        """A policy version names one set of weights for the whole run. A learner that died after
+        its checkpoint had pushed versions past it, which this one, resumed from the checkpoint, no
+        longer has: its weights are pushed as the next version unused, and samples of those
+        versions (a replica that missed the push) are refused, like stale ones."""
+        st = self.state
+        policy = await retry_redis_with_deadline(lambda: read_policy(w.redis, self.keys), "read the policy")
+        if policy.version > st.version:
+            self.redone_steps = policy.version - st.version  # a push a step
+            self.refused_versions.append((st.version + 1, policy.version))
+            self.progress(
+                f"a learner before this one trained {self.redone_steps} step(s) past step {st.step} (policy "
+                f"v{policy.version}); they are done again, with this policy as v{policy.version + 1}"
+            )
+            st.version = policy.version + 1
+        w.collector.refused_versions = self.refused_versions
 
     # ----- one step -----
     async def _step(self, w: RunWiring) -> None:
@@ -287,6 +311,9 @@ class TrainingLoop:
             job_gpus=self.job_gpus,
             num_gen_batches=self.gen_batches.num_gen_batches if self.filter_groups.enable else None,
         )
+        # The first step of a learner that replaced one: how many steps the one before trained
+        # past the checkpoint, lost with it and done again (the failover's cost).
+        metrics["training/redone_steps"], self.redone_steps = float(self.redone_steps), 0
         if (
             self.val_set is not None
             and cfg.trainer.test_freq > 0
@@ -502,6 +529,10 @@ class TrainingLoop:
             "data_cursor": w.feeder.cursor_after(step),
             "used_uids": sorted(u for uids in self.used_window for u in uids),
             "run_id": self.keys.run_id,
+            # Only those a sample within max_staleness of this version could still carry.
+            "refused_versions": [
+                r for r in self.refused_versions if r[1] >= self.state.version - self.cfg.rlmesh.max_staleness
+            ],
             "sampling": {
                 "temperature": float(self.sampling.temperature),
                 "top_p": float(self.sampling.top_p),

@@ -22,7 +22,7 @@ from rlmesh.learner.run.loop import TrainingLoop
 from rlmesh.learner.trainer import PPOTrainer
 from rlmesh.runtime.affinity import apply_cpu_affinity
 from rlmesh.runtime.entry import limit_torch_threads, service_arg_parser
-from rlmesh.runtime.launcher import local_rendezvous, with_parent_death_signal
+from rlmesh.runtime.launcher import EXIT_RESTART, local_rendezvous, with_parent_death_signal
 from rlmesh.runtime.logs import configure_logging
 from rlmesh.runtime.net import free_port
 
@@ -110,13 +110,16 @@ def follower_main(argv: Sequence[str]) -> int:
 class LocalRanks:
     """The ranks rank 0 started itself (none under a launcher, or with ``rlmesh.learner.ranks`` 1).
 
-    A child that fails while the run is on stops rank 0: SIGTERM, then ``os._exit(1)`` after
-    ``HARD_STOP_S``. Once rank 0 calls :meth:`run_ended` (it told them to stop) an exit is no news.
+    A child that fails while the run is on stops rank 0: SIGTERM, then ``os._exit(EXIT_RESTART)``
+    after ``HARD_STOP_S``; rank 0 then exits with ``EXIT_RESTART`` (`rlmesh train` starts the
+    learner again, every rank). Once rank 0 calls :meth:`run_ended` (it told them to stop) an exit
+    is no news.
     """
 
     def __init__(self, children: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self.children = list(children)
         self._run_ended = threading.Event()
+        self.lost: int | None = None  # the first rank that died while the run was on
         for rank, child in enumerate(self.children, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, child), name=f"rank{rank}-watch", daemon=True
@@ -156,14 +159,16 @@ class LocalRanks:
         if code == 0 or self._run_ended.is_set():
             return
         log.error("learner rank %d exited with code %d: stopping rank 0", rank, code)
+        self.lost = rank if self.lost is None else self.lost
         os.kill(os.getpid(), signal.SIGTERM)
         if not self._run_ended.wait(HARD_STOP_S):
             log.error("rank 0 did not stop within %.0f s of losing rank %d: exiting", HARD_STOP_S, rank)
-            os._exit(1)
+            os._exit(EXIT_RESTART)
 
     def join(self, code: int, grace_s: float = 60.0) -> int:
         """Rank 0 is done: its run told the others to stop; wait for them (kill what outlives
-        ``grace_s``). Exit code: rank 0's, or 1 when a rank failed."""
+        ``grace_s``). Exit code: ``EXIT_RESTART`` when a rank died while the run was on (whatever
+        rank 0's run made of it), else rank 0's, or 1 when a rank failed."""
         deadline = time.monotonic() + grace_s
         for rank, child in enumerate(self.children, start=1):
             try:
@@ -174,4 +179,4 @@ class LocalRanks:
                 child_code = child.wait()
             if child_code != 0:
                 code = code or 1
-        return code
+        return EXIT_RESTART if self.lost is not None else code

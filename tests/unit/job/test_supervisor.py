@@ -1,0 +1,105 @@
+"""Which dead services ``rlmesh train``'s supervisor restarts, on real processes that exited: the
+learner only when it died (a signal, or a rank lost) and its run is not over."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlmesh.job.train import RestartBudget, Supervisor
+from rlmesh.runtime.launcher import EXIT_RESTART, ManagedProcess, restartable
+
+
+def exited(tmp_path: Path, name: str, code: int) -> ManagedProcess:
+    """A process of ``name`` that ended with ``code`` (negative: killed by that signal)."""
+    if code < 0:
+        popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        popen.send_signal(-code)
+    else:
+        popen = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    popen.wait()
+    return ManagedProcess(name=name, argv=[], popen=popen, log_path=tmp_path / f"{name}.log")
+
+
+class Stack:
+    """What the supervisor reads of a stack: its processes, and ``restart``, which records the name
+    and hands back a live process."""
+
+    def __init__(self, processes: list[ManagedProcess]) -> None:
+        self.named = [(p.name, p) for p in processes]
+        self.restarted: list[str] = []
+        self.done = threading.Event()
+        self.live: list[subprocess.Popen[bytes]] = []
+
+    def processes(self) -> list[tuple[str, ManagedProcess]]:
+        return self.named
+
+    def restart(self, name: str) -> ManagedProcess:
+        popen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.live.append(popen)
+        self.named = [(n, p) for n, p in self.named if n != name] + [
+            (name, ManagedProcess(name=name, argv=[], popen=popen, log_path=Path(f"{name}.log")))
+        ]
+        self.restarted.append(name)
+        self.done.set()
+        return self.named[-1][1]
+
+    def close(self) -> None:
+        for popen in self.live:
+            popen.kill()
+            popen.wait()
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (-signal.SIGKILL, True),
+        (-signal.SIGSEGV, True),
+        (EXIT_RESTART, True),
+        (137, True),
+        (1, False),
+        (2, False),
+        (0, False),
+    ],
+)
+def test_a_death_is_restartable_a_reported_failure_is_not(code, expected):
+    assert restartable(code) is expected
+
+
+@pytest.mark.parametrize("code", [-signal.SIGKILL, EXIT_RESTART])
+def test_a_learner_that_died_is_restarted_and_said_so(tmp_path, code):
+    said: list[str] = []
+    stack = Stack([exited(tmp_path, "learner", code)])
+    try:
+        supervisor = Supervisor(stack, RestartBudget(2), said.append)
+        assert supervisor.check() == ""
+        assert stack.done.wait(30)
+        assert stack.restarted == ["learner"]
+        assert said[0].startswith(f"learner exited with code {code}: restarting it (1 of 2 this hour)")
+        assert "the replicas go on" in said[0]
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("run_over", [False, True])
+def test_a_learner_that_failed_or_finished_is_left_to_end_the_job(tmp_path, run_over):
+    said: list[str] = []
+    stack = Stack([exited(tmp_path, "learner", -signal.SIGKILL if run_over else 1)])
+    supervisor = Supervisor(stack, RestartBudget(2), said.append)
+    supervisor.run_over = run_over
+    assert supervisor.check() == ""
+    assert (stack.restarted, said, supervisor.restarting) == ([], [], set())
+
+
+def test_a_learner_over_its_budget_fails_the_job_naming_its_log(tmp_path):
+    stack = Stack([exited(tmp_path, "learner", -signal.SIGKILL)])
+    supervisor = Supervisor(stack, RestartBudget(0), lambda line: None)
+    failure = supervisor.check()
+    assert failure.startswith("the learner died (exit code -9); its log: ")
+    assert str(tmp_path / "learner.log") in failure and "restarted 0 times within the hour" in failure
+    assert stack.restarted == []
