@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-preflight bench-startup clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -203,6 +203,10 @@ bench-preflight: venv
 # Launch to first step and last step to exit of the demo's job, phase by phase (a few minutes):
 bench-startup: venv redis-server
 	$(BIN)/python benchmarks/bench_startup.py $(STARTUP_ARGS)
+
+# What trainer.save_freq=1 costs the demo's step, written in the background and in the step (minutes):
+bench-checkpoint: venv redis-server
+	$(BIN)/python benchmarks/bench_checkpoint.py $(CHECKPOINT_ARGS)
 
 bench-all: bench-queue bench-rollout bench-score bench-learner bench-algo bench
 

@@ -187,6 +187,12 @@ class LearnerServiceConfig(ServiceConfig):
         "loads the checkpoint again. `rlmesh train` sets <trainer.default_local_dir>/actor-hf; empty = none "
         "(`rlmesh export` writes one from any checkpoint)",
     )
+    async_checkpoint: bool = Field(
+        True,
+        description="a checkpoint is copied into host memory while the step waits and written to disk in "
+        "the background (marked complete and renamed into place once every rank's files are written); a "
+        "save waits for the one before it, and the run's last for itself. false: the step waits for the write",
+    )
     optimizer_threads: int = Field(
         0,
         ge=0,

@@ -25,6 +25,7 @@ from rlmesh.algo import (
 )
 from rlmesh.config import RLMeshConfig
 from rlmesh.config.loader import dump_public_yaml
+from rlmesh.learner.checkpoints.background import CheckpointWriter
 from rlmesh.learner.checkpoints.hf_dir import write_hf_dir
 from rlmesh.learner.checkpoints.store import Engines, load_checkpoint, save_checkpoint
 from rlmesh.learner.dist import barrier, init_distributed, rank, world_size
@@ -70,6 +71,7 @@ class PPOTrainer:
     def __init__(self, config: RLMeshConfig, total_training_steps: int, *, seed: int | None = None) -> None:
         init_distributed(timeout_s=config.actor_rollout_ref.nccl_timeout, device=config.trainer.device)
         self.config = config
+        self.checkpoint_writer = CheckpointWriter()  # save_checkpoint(background=True)'s
         self.total_training_steps = int(total_training_steps)
         self.rank, self.dp_size = rank(), world_size()
         self.device = torch.device(get_accelerator().current_device_name())
@@ -478,10 +480,11 @@ class PPOTrainer:
             engines.append(("critic", self.critic.engine, self.critic.scheduler))
         return engines
 
-    def save_checkpoint(self, path: str, extra_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str, extra_state: dict[str, Any], *, background: bool = False) -> None:
         """Save everything needed to resume into ``path``, atomically (``path.tmp-<pid>``, then
         ``COMPLETE``, then a rename; see :mod:`rlmesh.learner.checkpoints.store`). Collective: every rank
-        calls it with the same arguments.
+        calls it with the same arguments. ``background``: return once the state is copied into host
+        memory, the files written meanwhile (:meth:`wait_for_checkpoint`; the next save waits too).
 
         Args:
             path: the checkpoint directory to create (replaced if it exists).
@@ -507,8 +510,17 @@ class PPOTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
         # A checkpoint is no place for secrets.
-        save_checkpoint(path, self._engines(), state, dump_public_yaml(self.config))
-        log.info("checkpoint saved: %s", path)
+        writer = self.checkpoint_writer if background else None
+        if writer is None:
+            self.checkpoint_writer.wait()  # one in flight goes first: it is older
+        save_checkpoint(path, self._engines(), state, dump_public_yaml(self.config), writer)
+        log.info("checkpoint %s: %s", "being written" if background else "saved", path)
+
+    def wait_for_checkpoint(self) -> float:
+        """Until the checkpoint being written in the background is complete (at once when none is);
+        returns how long the last background write took, seconds."""
+        self.checkpoint_writer.wait()
+        return self.checkpoint_writer.written_s
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore actor/critic weights, optimizer and scheduler states, RNG states, the
@@ -519,6 +531,7 @@ class PPOTrainer:
             CheckpointError: ``path`` is incomplete, or from a run with another world size or
                 other ZeRO stages.
         """
+        self.checkpoint_writer.wait()  # it may be the one being written
         state = load_checkpoint(path, self._engines())
         self.global_steps = int(state["global_steps"])
         self.actor.skipped_steps = int(state["skipped_steps"]["actor"])

@@ -85,6 +85,16 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_dead_saves(tmp_path):
     assert prune_checkpoints(tmp_path, keep=None) == []  # keep all: nothing left to remove
 
 
+def test_prune_leaves_the_save_this_process_is_writing_in_the_background(tmp_path):
+    from rlmesh.learner.checkpoints.store import prune_checkpoints
+
+    _complete(tmp_path / "global_step_2")
+    (tmp_path / f"global_step_4.tmp-{os.getpid()}").mkdir()  # being written by this process
+    (tmp_path / "global_step_4.tmp-4242").mkdir()  # another process's, dead
+    assert [os.path.basename(g) for g in prune_checkpoints(tmp_path, keep=1)] == ["global_step_4.tmp-4242"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", f"global_step_4.tmp-{os.getpid()}"]
+
+
 # ----- nothing in a checkpoint is unpickled -----
 
 
@@ -133,3 +143,22 @@ def test_a_checkpoint_with_a_pickled_rng_state_is_refused_naming_the_file(tmp_pa
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(old, [])
     assert str(old / "rng" / "rank_0.pt") in str(err.value) and "rlmesh export" in str(err.value)
+
+
+def test_a_snapshot_checkpoint_engine_keeps_the_state_as_it_was_saved(tmp_path):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from rlmesh.learner.checkpoints.background import SnapshotCheckpointEngine
+
+    live = {"module": {"w": torch.ones(3)}, "optimizer": [torch.zeros(2)], "step": 4}
+    snapshot = SnapshotCheckpointEngine(TorchCheckpointEngine())
+    snapshot.save(live, str(tmp_path / "model.pt"))
+    live["module"]["w"].add_(1)  # the next step, while the file waits to be written
+    live["optimizer"][0].fill_(7)
+    ((kept, path),) = snapshot.files
+    assert path == str(tmp_path / "model.pt") and not (tmp_path / "model.pt").exists()
+    assert torch.equal(kept["module"]["w"], torch.ones(3)) and torch.equal(
+        kept["optimizer"][0], torch.zeros(2)
+    )
+    snapshot.writer.save(kept, path)  # written later, by the engine it stands in for
+    assert torch.equal(torch.load(path, weights_only=True)["module"]["w"], torch.ones(3))

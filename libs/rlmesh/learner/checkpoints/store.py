@@ -14,10 +14,13 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rlmesh.learner.checkpoints.background import CheckpointWriter
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -74,13 +77,19 @@ def checkpoint_step(path: str | os.PathLike[str]) -> int:
 
 
 def prune_checkpoints(root: str | os.PathLike[str], keep: int | None) -> list[str]:
-    """After a save (rank 0, no save running): deletes the complete checkpoints under ``root``
-    beyond the newest ``keep`` (None: keeps all) and every leftover of a save that died half-way
-    (``.tmp-`` / ``.old-`` directories). Returns what it deleted."""
+    """After a save (rank 0): deletes the complete checkpoints under ``root`` beyond the newest
+    ``keep`` (None: keeps all) and every leftover of a save that died half-way (``.tmp-`` /
+    ``.old-`` directories), but this process's own (a save it is writing in the background).
+    Returns what it deleted."""
     base = Path(root)
     if not base.is_dir():
         return []
-    gone = [p for p in base.iterdir() if p.is_dir() and (TMP_INFIX in p.name or OLD_INFIX in p.name)]
+    own = (f"{TMP_INFIX}{os.getpid()}", f"{OLD_INFIX}{os.getpid()}")
+    gone = [
+        p
+        for p in base.iterdir()
+        if p.is_dir() and (TMP_INFIX in p.name or OLD_INFIX in p.name) and not p.name.endswith(own)
+    ]
     if keep is not None:
         done = sorted((p for p in base.iterdir() if p.is_dir() and is_complete(p)), key=_order_key)
         gone += done[: max(0, len(done) - keep)]
@@ -229,7 +238,11 @@ Engines = list[tuple[str, Any, Any]]  # (name, DeepSpeed engine, its lr schedule
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], engines: Engines, state: dict[str, Any], config_yaml: str
+    path: str | os.PathLike[str],
+    engines: Engines,
+    state: dict[str, Any],
+    config_yaml: str,
+    writer: CheckpointWriter | None = None,
 ) -> None:
     """Write a complete checkpoint at ``path`` (collective: every rank, same arguments).
 
@@ -239,20 +252,32 @@ def save_checkpoint(
             state in the client state.
         state: JSON-serialisable trainer state for ``trainer_state.json``.
         config_yaml: the run's config.
+        writer: given, DeepSpeed's files are snapshotted into host memory and written by it in
+            the background (``rlmesh.learner.checkpoints.background``): this returns once the
+            snapshot is taken, and ``path`` appears, complete, when the write is done. A save
+            waits for the one before it.
     """
+    # Here, not at the top: `rlmesh train` reads checkpoints without importing DeepSpeed.
+    from rlmesh.learner.checkpoints.background import remove_marker_dir, snapshotting
     from rlmesh.learner.dist import barrier, broadcast_object, rank, world_size
 
     json.dumps(state)  # fail before any collective work when it cannot be saved
+    if writer is not None:
+        writer.wait()  # every rank, before the barriers below: never two in flight
     final = Path(path)
     tmp = final.with_name(f"{final.name}{TMP_INFIX}{broadcast_object(os.getpid())}")
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     barrier()
+    files = []
     for name, engine, scheduler in engines:
-        engine.save_checkpoint(
-            str(tmp / name), tag="state", client_state={"lr_scheduler": scheduler.state_dict()}
-        )
+        with snapshotting(engine) if writer is not None else contextlib.nullcontext() as snapshot:
+            engine.save_checkpoint(
+                str(tmp / name), tag="state", client_state={"lr_scheduler": scheduler.state_dict()}
+            )
+        if snapshot is not None:
+            files += [(state_dict, file, snapshot.writer) for state_dict, file in snapshot.files]
     (tmp / "rng" / f"rank_{rank()}.json").write_text(json.dumps(capture_rng_state()))
     barrier()
     if rank() == 0:
@@ -262,7 +287,15 @@ def save_checkpoint(
             {"format": FORMAT, "world_size": world_size(), "zero_stage": stages, **state},
         )
         (tmp / "config.yaml").write_text(config_yaml)
-        finalize_checkpoint_dir(tmp, final)
+        if writer is None:
+            finalize_checkpoint_dir(tmp, final)
+    if writer is not None:
+
+        def finalize() -> None:
+            remove_marker_dir(tmp)
+            finalize_checkpoint_dir(tmp, final)
+
+        writer.start(files, tmp, rank(), finalize if rank() == 0 else None, world_size())
     barrier()
 
 

@@ -41,6 +41,7 @@ class RankCommand:
     bucket_bytes: int = 0  # push
     path: str = ""  # save, load, export
     extra: dict[str, Any] | None = None  # save: the loop's state kept with the checkpoint
+    background: bool = False  # save: written while training goes on
     failure: str = ""  # stop
 
 
@@ -55,7 +56,13 @@ def _train(trainer: PPOTrainer, c: RankCommand) -> dict[str, float]:
 COLLECTIVES: dict[str, Callable[[PPOTrainer, RankCommand], Any]] = {
     "train": _train,
     "push": lambda trainer, c: trainer.named_weights_for_push(c.bucket_bytes, copy=False),
-    "save": lambda trainer, c: trainer.save_checkpoint(c.path, c.extra),
+    # Written in the background (rlmesh.learner.async_checkpoint) only when the command says so.
+    "save": lambda trainer, c: (
+        trainer.save_checkpoint(c.path, c.extra, background=True)
+        if c.background
+        else trainer.save_checkpoint(c.path, c.extra)
+    ),
+    "wait_for_checkpoint": lambda trainer, c: trainer.wait_for_checkpoint(),
     "load": lambda trainer, c: trainer.load_checkpoint(c.path),
     "export": lambda trainer, c: trainer.export_hf(c.path, None),
 }

@@ -136,6 +136,7 @@ class TrainingLoop:
         # (``_roll_forward``); kept in checkpoints while samples of them could still arrive.
         self.refused_versions: list[tuple[int, int]] = []
         self.redone_steps = 0  # steps a learner before this one trained past its checkpoint
+        self.checkpoint_s = 0.0  # the step's checkpoint, as long as the step waited for it
 
     # ----- the run -----
     async def run(self) -> None:
@@ -186,6 +187,9 @@ class TrainingLoop:
             # ranks the others may still be inside a collective); the last checkpoint stands.
             if st.stop_requested and st.stop_checkpoint and st.step > 0:
                 await self._checkpoint(w, st.step, final=True)
+            # The last checkpoint whole before the run ends (its writer dies with the process).
+            await self.rank_zero.run(RankCommand("wait_for_checkpoint"))
+            self._prune_checkpoints()
             if st.step >= st.total_steps and cfg.rlmesh.learner.export_dir:
                 await self._export_actor(cfg.rlmesh.learner.export_dir)
             if st.step >= st.total_steps:
@@ -292,6 +296,7 @@ class TrainingLoop:
         # Before the checkpoint: a step that a checkpoint covers is never redone, so its record
         # must exist by then (one written and then redone after a crash is written again).
         self._record_groups(step, collected, w.incarnation)
+        self.checkpoint_s = 0.0
         if (
             cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or is_last)
         ) or st.checkpoint_requests:
@@ -314,6 +319,10 @@ class TrainingLoop:
         # The first step of a learner that replaced one: how many steps the one before trained
         # past the checkpoint, lost with it and done again (the failover's cost).
         metrics["training/redone_steps"], self.redone_steps = float(self.redone_steps), 0
+        # What the checkpoint cost the step (with async_checkpoint: its snapshot), and how long the
+        # last one written in the background took to write.
+        metrics["timing_s/save_checkpoint"] = self.checkpoint_s
+        metrics["checkpoint/write_s"] = self.trainer.checkpoint_writer.written_s
         if (
             self.val_set is not None
             and cfg.trainer.test_freq > 0
@@ -538,21 +547,35 @@ class TrainingLoop:
                 "top_p": float(self.sampling.top_p),
             },
         }
+        t0 = time.monotonic()
         await self.rank_zero.run(
-            RankCommand("save", path=path, extra=json.loads(json.dumps(extra, default=_jsonable)))
+            RankCommand(
+                "save",
+                path=path,
+                extra=json.loads(json.dumps(extra, default=_jsonable)),
+                background=self.cfg.rlmesh.learner.async_checkpoint,
+            )
         )
+        if final or self.state.checkpoint_requests:  # whoever asked for it is told once it is whole
+            await self.rank_zero.run(RankCommand("wait_for_checkpoint"))
+        self.checkpoint_s = time.monotonic() - t0
         self.state.last_checkpoint = path
+        self._prune_checkpoints()
+        for _, fut in self.state.checkpoint_requests:
+            if not fut.done():
+                fut.set_result(path)
+        self.state.checkpoint_requests.clear()
+        return path
+
+    def _prune_checkpoints(self) -> None:
+        """Beyond the newest ``max_*_ckpt_to_keep`` complete ones (one being written in the
+        background is not complete yet: it is counted by the next prune)."""
         trainer_cfg = self.cfg.trainer
         limits = [k for k in (trainer_cfg.max_actor_ckpt_to_keep, trainer_cfg.max_critic_ckpt_to_keep) if k]
         # A step's directory holds actor and critic together (a resume needs both): the larger
         # limit decides. Leftovers of saves that died half-way go too.
         for gone in prune_checkpoints(self.checkpoint_root, max(limits) if limits else None):
             log.info("removed checkpoint %s", gone)
-        for _, fut in self.state.checkpoint_requests:
-            if not fut.done():
-                fut.set_result(path)
-        self.state.checkpoint_requests.clear()
-        return path
 
     async def _export_actor(self, out_dir: str) -> None:
         """The trained actor as an HF directory at ``out_dir``, from memory, published whole (a
