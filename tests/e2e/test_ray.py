@@ -1,15 +1,20 @@
 """``rlmesh ray up`` on a real Ray cluster of two nodes on this machine: every service an actor, the
 replica placed on the second node by a custom resource; its actor is killed mid-run and the job still
-trains every step; ``rlmesh ray down`` stops a run from outside, leaving no process behind."""
+trains every step; the learner's service is killed mid-run and Ray's restart of its actor resumes the
+run from its checkpoint, the control plane following it; ``rlmesh ray down`` stops a run from
+outside, leaving no process behind."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +37,7 @@ except ImportError:  # collected without it, these tests fail loudly when select
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 STEPS = 40
+LEARNER_STEPS = 12  # few: the learner is killed after its first steps, and the run redoes a few
 NAMESPACE = "rlmesh"
 
 
@@ -88,6 +94,8 @@ def up_argv(cluster: RayCluster, files: Files, run_dir: Path, run_id: str, steps
         *overrides(files, run_dir, steps),
         "rlmesh.rollout.replicas=1",
         f"rlmesh.run_id={run_id}",
+        # Services bind the nodes' address, which is this machine's: open on purpose, no token.
+        "rlmesh.security.allow_open_bind=true",
     ]
 
 
@@ -196,6 +204,81 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
     assert job.count(rf"^\[ray\] step +{STEPS}/{STEPS} ") == 1, job.tail()
     assert job.count(r"^\[ray\] every actor stopped") == 1, job.tail()
     audit(files, run_dir, STEPS)  # every step trained on its planned prompts, every sample
+    assert not [p for p in pids if pid_alive(p)], "service processes outlived the job"
+    wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
+
+
+def control_status(address: str) -> dict[str, Any] | None:
+    """The run's status as the control plane at ``address`` answers it from the learner it points
+    at; None while it cannot (its learner gone, or it restarting)."""
+    try:
+        with DIRECT.open(f"http://{address}/api/v1/run/status", timeout=10) as r:
+            return json.load(r)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):  # an HTTP error is a URLError
+        return None
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    """The steps of the learner's metrics rows in the order they were written, every learner's (a
+    line still being written left out)."""
+    path = run_dir / "metrics.jsonl"
+    whole = path.read_text().rpartition("\n")[0] if path.exists() else ""
+    rows = [json.loads(line) for line in whole.splitlines() if line]
+    return [int(row["step"]) for row in rows if "timing_s/step" in row]
+
+
+def test_a_job_survives_the_kill_9_of_its_learner_service(cluster, files, tmp_path):
+    run_id, run_dir, steps = f"ray-{uuid.uuid4().hex[:6]}", tmp_path / "run", LEARNER_STEPS
+    # Every learner holds before its first step until resumed: the first is let run a few steps and
+    # held again before the kill (a step can take 0.1 s: the whole run could be over before a
+    # progress line is read), its successor is held until the control plane is checked.
+    job = RayJob.start([*up_argv(cluster, files, run_dir, run_id, steps), "rlmesh.learner.start_paused=true"])
+    pids: list[int] = []
+    try:
+        job.wait_for(r"^\[ray\] \d+ actors healthy", timeout_s=400)
+        before = status(run_id, "learner")
+        learner_call(before["address"], "Resume")
+        wait_until(lambda: len(trained_steps(run_dir)) >= 3, 300, "the learner's first 3 steps")
+        learner_call(before["address"], "Pause")  # it finishes the step under way, then holds
+        plane = status(run_id, "control")
+        pids += [status(run_id, n)["pid"] for n in ("redis", "reward", "rollout-0")]
+        pids += [before["pid"], plane["pid"]]
+        os.kill(before["pid"], signal.SIGKILL)  # the service, not its actor: its shell ends the actor
+        after = restarted_status(run_id, "learner", before["actor_pid"], timeout_s=300)
+        pids.append(after["pid"])
+        assert after["restarted"] is True
+        assert after["pid"] != before["pid"]
+        job.wait_for(r"^\[ray\] the learner's actor died \(.+\): Ray restarts it \(1 of 2\)", timeout_s=60)
+        job.wait_for(r"^\[ray\] learner is back: ", timeout_s=60)
+        # The control plane, at its same URL, answers through the new learner: the old one is dead.
+        wait_until(
+            lambda: (control_status(plane["address"]) or {}).get("paused") is True,
+            120,
+            "the control plane to answer through the restarted learner",
+        )
+        pids.append(status(run_id, "control")["pid"])
+        learner_call(after["address"], "Resume")
+        assert job.finish(timeout_s=600) == 0, job.tail()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=120)
+        print("\n" + job.tail(60))  # what `ray up` said, for -s and failures
+    assert job.count(r"^\[ray\] the learner's actor died") == 1, job.tail()
+    assert job.count(r"^\[ray\] control plane: pointed at the new learner") == 1, job.tail()
+    assert job.count(rf"^\[ray\] run {run_id} finished at step {steps} ") == 1, job.tail()
+    # It resumed: a step redone after a later or the same one (from an earlier checkpoint, or from
+    # none), or the first step after the one it was killed at, said as a resume.
+    done = trained_steps(run_dir)
+    redone = any(later <= earlier for earlier, later in itertools.pairwise(done))
+    resumed = job.count(r"^\[ray\] resumed from the checkpoint of step [1-9]")
+    assert (redone or resumed == 1) and resumed <= 1, f"steps {done}, resume lines {resumed}:\n{job.tail()}"
+    # A line for every step, the dead learner's last ones (written after the driver's last call) too.
+    unsaid = [s for s in range(1, steps + 1) if not job.count(rf"^\[ray\] step +{s}/{steps} ")]
+    assert not unsaid, f"no progress line for steps {unsaid}:\n{job.tail()}"
+    groups = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+    assert len({row["incarnation"] for row in groups}) == 2, "not two learners"
+    audit(files, run_dir, steps)  # every step trained once on its planned prompts, redone ones too
     assert not [p for p in pids if pid_alive(p)], "service processes outlived the job"
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
 

@@ -1,5 +1,6 @@
-"""The actors ``rlmesh ray up`` asks Ray for: which services, with what resources, from the config
-and the flags; bad flags and actors no node can hold are refused with a message naming them."""
+"""The actors ``rlmesh ray up`` asks Ray for: which services, with what resources and restarts,
+from the config and the flags; bad flags and actors no node can hold are refused with a message
+naming them; which exits of a service end its actor for Ray to restart it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 
 from rlmesh.config import load_config
 from rlmesh.ray.plan import PlanError, parse_service_values, plan_actors, unplaceable
+from rlmesh.ray.shell import ends_actor
+from rlmesh.ray.up import restart_rule
+from rlmesh.runtime.launcher import EXIT_RESTART
 from tests.support.repo import CPU_DEMO
 
 
@@ -14,7 +18,7 @@ def test_the_cpu_demo_plans_redis_reward_two_replicas_and_a_learner_without_gpus
     plans = plan_actors(load_config(str(CPU_DEMO)), max_restarts=2)
     assert [p.name for p in plans] == ["redis", "reward", "rollout-0", "rollout-1", "learner", "control"]
     assert all(p.num_gpus == 0 for p in plans)
-    assert [p.max_restarts for p in plans] == [0, 0, 2, 2, 0, 0]
+    assert [p.max_restarts for p in plans] == [0, 0, 2, 2, 2, 0]
     assert plans[-1].demand() == {}  # the control plane takes no CPU from the services'
     off = plan_actors(load_config(str(CPU_DEMO), ["rlmesh.control.enabled=false"]))
     assert "control" not in [p.name for p in off]
@@ -94,3 +98,25 @@ def test_an_actor_no_node_can_hold_is_named():
         "rollout-0 asks for CPU=1, node2=1: no node of the cluster has that much"
     ]
     assert unplaceable(plans, [*nodes, {"CPU": 1.0, "node2": 1.0}]) == []
+
+
+def test_the_learner_restarts_only_when_it_died_a_replica_on_any_exit():
+    plans = plan_actors(load_config(str(CPU_DEMO)), max_restarts=2)
+    rules = {p.name: restart_rule(p) for p in plans}
+    assert rules == {
+        "redis": "",
+        "reward": "",
+        "rollout-0": "exit",
+        "rollout-1": "exit",
+        "learner": "death",
+        "control": "",
+    }
+    # Killed (by a signal, as Popen or a shell reports it) or a rank lost: Ray restarts it.
+    assert [ends_actor("death", code) for code in (-9, -15, 128 + 9, EXIT_RESTART)] == [True] * 4
+    # Its run over (0), an error of its own (1) or its config (2): the run ends with that code.
+    assert [ends_actor("death", code) for code in (0, 1, 2)] == [False] * 3
+    assert [ends_actor("exit", code) for code in (0, 1, 3, -9)] == [True] * 4  # a replica: any exit
+    assert [ends_actor("", code) for code in (0, 1, -9)] == [False] * 3
+    never = plan_actors(load_config(str(CPU_DEMO)), max_restarts=0)
+    assert {p.max_restarts for p in never} == {0}
+    assert {restart_rule(p) for p in never} == {""}

@@ -27,6 +27,9 @@ class Actor:
     handle: Any  # ray.actor.ActorHandle
     status: dict[str, Any] = field(default_factory=dict)  # the last status() it answered
     deaths: int = 0
+    # Its death is counted and its return not yet seen: "exit" (its service died, its shell about
+    # to end the worker, whose dying may still fail a call) or "error" (a call failed).
+    down: str = ""
 
 
 def connect(address: str) -> None:

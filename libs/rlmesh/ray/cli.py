@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="custom Ray resources an actor asks for, e.g. rollout='{\"gpu_node\": 1}'",
     )
     up.add_argument(
-        "--max-restarts", type=int, default=3, help="times Ray restarts a rollout replica's actor (default 3)"
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="times Ray restarts each rollout replica's actor, and the learner's when it dies (killed, "
+        "or a rank of it lost; it resumes from its latest checkpoint) (default 3)",
     )
     up.add_argument(
         "--workdir", default=None, help="logs and Redis data (default: <checkpoints>/services/<run>)"

@@ -97,9 +97,10 @@ def plan_actors(
 ) -> list[ActorPlan]:
     """The actors of a run in start order, as ``rlmesh train`` starts processes: Redis unless
     ``rlmesh.redis_url`` is ``given`` (a key the user set), reward and reference unless their
-    addresses are given (no reference when colocated), ``rlmesh.rollout.replicas`` replicas (Ray
-    restarts each up to ``max_restarts`` times), the learner (never restarted: its exit ends
-    the run), and the control plane (``rlmesh.control.enabled``)."""
+    addresses are given (no reference when colocated), ``rlmesh.rollout.replicas`` replicas and
+    the learner (Ray restarts each up to ``max_restarts`` times; the learner only when it died: a
+    learner that finished or failed by itself ends the run), and the control plane
+    (``rlmesh.control.enabled``)."""
     if max_restarts < 0:
         raise PlanError(f"--max-restarts {max_restarts}: must be >= 0")
     num_cpus, num_gpus, resources = num_cpus or {}, num_gpus or {}, resources or {}
@@ -132,7 +133,7 @@ def plan_actors(
     for i in range(cfg.rlmesh.rollout.replicas):
         name = f"rollout-{i}"
         plans.append(plan("rollout", name, max_restarts, [f"rlmesh.sampler.replica_id={name}"]))
-    plans.append(plan("learner", "learner"))
+    plans.append(plan("learner", "learner", max_restarts))
     if cfg.rlmesh.control.enabled:
         plans.append(plan("control", "control"))
     return plans

@@ -1,5 +1,6 @@
 """``rlmesh ray up``: a whole PPO job on a Ray cluster, every service an actor placed by its
-resources; it follows the learner to the end and stops every actor on the way out."""
+resources; it follows the learner to the end (through Ray's restarts of it and of the replicas)
+and stops every actor on the way out."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.job.train import progress_line, say_with
 from rlmesh.ray.actors import Actor, Say, connect, create, describe, stop_actors, wait_started
 from rlmesh.ray.plan import ActorPlan, PlanError, plan_actors, unplaceable
 from rlmesh.ray.shell import ShellSpec
+from rlmesh.runtime.launcher import restartable
 
 
 @dataclass
@@ -38,11 +41,13 @@ def _first_line(e: BaseException) -> str:
 
 
 class Follower:
-    """Polls every actor's ``status`` once a second until the learner exits: progress lines from the
-    learner's metrics rows, a line when an actor dies and when Ray brought it back."""
+    """Polls every actor's ``status`` once a second until the learner's run is over: progress lines
+    from the learner's metrics rows, a line when an actor dies and when Ray brought it back. A
+    restarted learner listens on a new address, which the control plane is pointed at."""
 
     def __init__(self, actors: Sequence[Actor], learner: Actor, total: int, say: Say) -> None:
         self.actors, self.learner, self.total, self.say = list(actors), learner, total, say
+        self.control = next((a for a in self.actors if a.plan.service == "control"), None)
         self.first: int | None = None  # the step this run started after (> 0 when it resumed)
         self.last_step = 0
         self.started = time.monotonic()
@@ -59,6 +64,36 @@ class Follower:
             self.last_step = step
             elapsed = time.monotonic() - self.started
             self.say(progress_line(step, max(self.total, step), row, elapsed, done=step - self.first))
+
+    def repoint_control(self, address: str) -> None:
+        """The control plane, started again by its actor on its URL, pointed at the learner's new
+        ``address``. One that does not come back is said, not fatal: the run goes on without it."""
+        import ray
+
+        if self.control is None:
+            return
+        try:
+            status = ray.get(self.control.handle.repoint.remote(address))
+        except ray.exceptions.RayError as e:
+            self.say(f"the control plane did not come back pointed at the new learner: {_first_line(e)}")
+            return
+        self.control.status = status
+        self.say(f"control plane: pointed at the new learner at {address} (pid {status['pid']})")
+
+    def died(self, actor: Actor, why: str, down: str) -> str:
+        """Counts and says a death of ``actor`` within its restart budget (``why``: its first
+        sign); returns why the run fails when it is over the budget."""
+        actor.deaths, actor.down = actor.deaths + 1, down
+        who, budget = actor.plan.name, actor.plan.max_restarts
+        hint = ""
+        if actor is self.learner:
+            who, hint = "the learner", " (stopped by `rlmesh ray down`?)"
+            if not budget:
+                return f"the learner's actor died: {why}{hint}"
+        if actor.deaths > budget:
+            return f"{who}'s actor died {actor.deaths} times, more than --max-restarts {budget}: {why}{hint}"
+        self.say(f"{who}'s actor died ({why}): Ray restarts it ({actor.deaths} of {budget})")
+        return ""
 
     def run(self) -> tuple[int, str]:
         """The learner's exit code and, when the run failed, why."""
@@ -83,24 +118,25 @@ class Follower:
                 except unavailable:
                     continue  # on its way to a restart: the next call waits for it
                 except RayActorError as e:
-                    if actor is self.learner:
-                        return (
-                            1,
-                            f"the learner's actor died: {_first_line(e)} (stopped by `rlmesh ray down`?)",
-                        )
-                    actor.deaths += 1
-                    if actor.deaths > actor.plan.max_restarts:
-                        return 1, (
-                            f"{name}'s actor died {actor.deaths} times, more than --max-restarts "
-                            f"{actor.plan.max_restarts}: {_first_line(e)}"
-                        )
-                    self.say(
-                        f"{name}'s actor died ({_first_line(e)}): Ray restarts it "
-                        f"({actor.deaths} of {actor.plan.max_restarts})"
-                    )
+                    # A call failed by the dying worker of a death already counted is that death;
+                    # calls to an actor Ray restarts wait for it, so further failures are deaths.
+                    failure = "" if actor.down == "exit" else self.died(actor, _first_line(e), "error")
+                    if failure:
+                        return 1, failure
+                    actor.down = "error"
                     continue
                 if status["actor_pid"] != actor.status.get("actor_pid"):
+                    if not actor.down:  # no call saw it die: its new incarnation is the first sign
+                        failure = self.died(actor, f"worker pid {actor.status.get('actor_pid')} gone", "")
+                        if failure:
+                            return 1, failure
+                    actor.down = ""
                     self.say(f"{name} is back: {describe(status)}")
+                    if actor is self.learner:
+                        self.show(status["earlier_rows"])  # the dead learner's last, unseen rows
+                        self.first = None  # the new one's first row says which checkpoint it resumed from
+                        if status["address"] != actor.status.get("address"):
+                            self.repoint_control(status["address"])
                 actor.status = status
                 if status["stopped"]:
                     return 1, f"{name} was stopped from outside this command (`rlmesh ray down`?)"
@@ -109,6 +145,14 @@ class Follower:
                     quiet_since = time.monotonic()
                 if actor is self.learner and status["exit_code"] is not None:
                     code = int(status["exit_code"])
+                    if actor.plan.max_restarts and restartable(code):
+                        # It died: its shell ends the actor, for Ray to restart it.
+                        if not actor.down:
+                            why = f"its service exited with code {code}; its log: {status['log']}"
+                            failure = self.died(actor, why, "exit")
+                            if failure:
+                                return 1, failure
+                        continue
                     if code != 0:
                         return code, f"the learner failed (exit code {code}); its log: {status['log']}"
                     return 0, ""
@@ -116,6 +160,15 @@ class Follower:
                 self.say(f"no step finished in the last 30 s (at step {self.last_step})")
                 quiet_since = time.monotonic()
             time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))  # a poll period, not a wait for a state
+
+
+def restart_rule(plan: ActorPlan) -> Literal["", "exit", "death"]:
+    """Which exits of its service end an actor for Ray to restart it (``ShellSpec.restart_on``):
+    none without restarts; for the learner only a death, since its exit 0 (the run is over) or 1
+    (an error of its own, which would only repeat) is the run's end; for a replica any exit."""
+    if not plan.max_restarts:
+        return ""
+    return "death" if plan.service == "learner" else "exit"
 
 
 def _spec(
@@ -131,7 +184,7 @@ def _spec(
         cwd=os.getcwd(),
         health_timeout_s=max(timeout_s, 600.0) if plan.service in ("rollout", "learner") else timeout_s,
         stop_grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30.0),
-        restart_on_exit=plan.max_restarts > 0,
+        restart_on=restart_rule(plan),
     )
 
 
