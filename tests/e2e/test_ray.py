@@ -99,6 +99,13 @@ def up_argv(cluster: RayCluster, files: Files, run_dir: Path, run_id: str, steps
     ]
 
 
+def stop_if_running(job: Job) -> None:
+    """A test that failed half-way leaves no `ray up` behind: Ctrl-C stops it and its actors."""
+    if job.proc.poll() is None:
+        job.proc.send_signal(signal.SIGINT)
+        job.proc.wait(timeout=120)
+
+
 def actor(run_id: str, name: str) -> Any:
     return ray.get_actor(f"{run_id}/{name}", namespace=NAMESPACE)
 
@@ -197,9 +204,7 @@ def test_a_job_on_two_nodes_survives_the_kill_of_its_replica_actor(cluster, file
         learner_call(placed["learner"]["address"], "Resume")
         assert job.finish(timeout_s=600) == 0, job.tail()
     finally:
-        if job.proc.poll() is None:
-            job.proc.send_signal(signal.SIGINT)
-            job.proc.wait(timeout=120)
+        stop_if_running(job)
         print("\n" + job.tail(60))  # what `ray up` said, for -s and failures
     assert job.count(rf"^\[ray\] step +{STEPS}/{STEPS} ") == 1, job.tail()
     assert job.count(r"^\[ray\] every actor stopped") == 1, job.tail()
@@ -260,9 +265,7 @@ def test_a_job_survives_the_kill_9_of_its_learner_service(cluster, files, tmp_pa
         learner_call(after["address"], "Resume")
         assert job.finish(timeout_s=600) == 0, job.tail()
     finally:
-        if job.proc.poll() is None:
-            job.proc.send_signal(signal.SIGINT)
-            job.proc.wait(timeout=120)
+        stop_if_running(job)
         print("\n" + job.tail(60))  # what `ray up` said, for -s and failures
     assert job.count(r"^\[ray\] the learner's actor died") == 1, job.tail()
     assert job.count(r"^\[ray\] control plane: pointed at the new learner") == 1, job.tail()
@@ -311,9 +314,7 @@ def test_ray_down_stops_a_running_job_and_everything_it_started(cluster, files, 
         assert "every actor stopped (5)" in down.stdout, down.stdout  # the control plane too
         assert job.finish(timeout_s=180) == 1, job.tail()
     finally:
-        if job.proc.poll() is None:
-            job.proc.send_signal(signal.SIGINT)
-            job.proc.wait(timeout=120)
+        stop_if_running(job)
     assert job.count(r"stopped from outside|actor died") >= 1, job.tail()
     assert not [p for p in pids if pid_alive(p)], "service processes outlived ray down"
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
@@ -328,9 +329,7 @@ def test_sigterm_to_ray_up_stops_every_actor_and_service(cluster, files, tmp_pat
         job.proc.send_signal(signal.SIGTERM)
         assert job.finish(timeout_s=180) == 130, job.tail()
     finally:
-        if job.proc.poll() is None:
-            job.proc.send_signal(signal.SIGINT)
-            job.proc.wait(timeout=120)
+        stop_if_running(job)
     assert job.count(r"^\[ray\] every actor stopped \(5\)") == 1, job.tail()
     assert not [p for p in pids if pid_alive(p)], "service processes outlived ray up"
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")

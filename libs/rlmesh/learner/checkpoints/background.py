@@ -85,25 +85,8 @@ class CheckpointWriter:
     ) -> None:
         """Writes ``files`` (state, path, the engine that writes it), then this rank's marker under
         ``tmp``; rank 0 (``finalize`` given) then waits for every rank's marker and finalizes."""
-        self.wait()  # never two in flight
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(files, tmp, rank, finalize, world),
-            name="checkpoint-writer",
-            daemon=True,
-        )
-        self._thread.start()
 
-    def _write(
-        self,
-        files: list[tuple[Any, str, CheckpointEngine]],
-        tmp: Path,
-        rank: int,
-        finalize: Callable[[], None] | None,
-        world: int,
-    ) -> None:
-        t0 = time.monotonic()
-        try:
+        def write() -> None:
             for state, path, engine in files:
                 engine.save(state, path)
             files.clear()  # the snapshot's memory goes now, not at the next checkpoint
@@ -112,6 +95,17 @@ class CheckpointWriter:
             if finalize is not None:
                 wait_for_ranks(tmp, world)
                 finalize()
+
+        self.wait()  # never two in flight
+        self._thread = threading.Thread(
+            target=self._run, args=(write, tmp), name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None], tmp: Path) -> None:
+        t0 = time.monotonic()
+        try:
+            write()
             self.written_s = time.monotonic() - t0
         except BaseException as e:  # raised at the next wait, on the trainer's thread
             log.error("checkpoint %s: background write failed: %s", tmp, e)
