@@ -4,6 +4,7 @@ docs/reliability.md#streams"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,6 +21,8 @@ from rlmesh.queue.signing import INVALID, UNDECODABLE, UNSIGNED, UNTRUSTED, Sign
 from rlmesh.runtime.prometheus import MetricSet
 
 log = logging.getLogger("rlmesh.queue")
+# How long interrupt() waits for a claim's connection id that is on its way back.
+_ID_REPLY_WAIT_S = 5.0
 
 M = TypeVar("M", bound=Message)
 
@@ -79,6 +82,9 @@ class _Claim:
     interrupted: bool = False
     # The server-side id of the connection while it is in (or about to be in) its blocking read.
     client_id: int | None = None
+    # Set while the read is on its way and its id not read back yet: Redis may already hold it
+    # blocked, and only the claim itself can wake it once the id arrives.
+    id_on_its_way: asyncio.Event | None = None
 
 
 class QueueMetrics:
@@ -215,14 +221,21 @@ class StreamQueue(Generic[M]):
         ``block_ms`` had run out). Each returns the entries it had been handed by then: none is lost.
         Claims that start later are not affected.
 
-        It does not wait for them to return. When Redis answers the wake the blocked read is over
-        server-side (nothing more can be handed to it); in the one case the wake cannot reach it
-        (the read still on its way to Redis when woken), that claim ends after its ``block_ms``."""
+        It does not wait for them to return, only for their wakes: when it returns each blocked read
+        is over server-side (nothing more can be handed to it). A read whose connection's id has not
+        come back within a few seconds (a server that stopped answering) ends after its
+        ``block_ms``."""
         claims = list(self._claims)
         for claim in claims:  # all first: a wake below may take a round trip
             claim.interrupted = True
         for claim in claims:
-            if claim.client_id is not None:
+            on_its_way = claim.id_on_its_way
+            if claim.client_id is None and on_its_way is not None:
+                # The read may be blocked in Redis already: the claim wakes it itself once its id
+                # is read back (the same write, so at once from a live server).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(on_its_way.wait(), _ID_REPLY_WAIT_S)
+            elif claim.client_id is not None:
                 try:
                     await self.redis.client_unblock(claim.client_id)
                 except ResponseError as e:  # say, an ACL without CLIENT: it ends after block_ms
@@ -341,24 +354,30 @@ class StreamQueue(Generic[M]):
             claim.client_id = None
             if claim.interrupted:
                 return None
-            await conn.send_packed_command(commands)
+            claim.id_on_its_way = on_its_way = asyncio.Event()
             try:
-                client_id: int | None = int(await conn.read_response())
-            except ResponseError as e:
-                # CLIENT refused (an ACL user without @admin, a Redis-like server): the read below
-                # still runs; from now on claims read without wake support (Pause waits them out).
-                log.warning(
-                    "CLIENT ID refused on %s (%s): blocked claims cannot be woken early", self.stream, e
-                )
-                self._wakeable, client_id = False, None
-            claim.client_id = client_id
-            if claim.interrupted and client_id is not None:
-                # interrupt() came while the commands were on their way and could not name this
-                # connection yet: wake it from here. Redis ran the read along with CLIENT ID (one
-                # write), so it is blocked now, or already answered. Best effort: the reply must
-                # still be read below whatever happens to the wake.
-                with contextlib.suppress(RedisError):
-                    await self.redis.client_unblock(client_id)
+                await conn.send_packed_command(commands)
+                try:
+                    client_id: int | None = int(await conn.read_response())
+                except ResponseError as e:
+                    # CLIENT refused (an ACL user without @admin, a Redis-like server): the read
+                    # below still runs; from now on claims read without wake support (Pause waits
+                    # them out).
+                    log.warning(
+                        "CLIENT ID refused on %s (%s): blocked claims cannot be woken early", self.stream, e
+                    )
+                    self._wakeable, client_id = False, None
+                claim.client_id = client_id
+                if claim.interrupted and client_id is not None:
+                    # interrupt() came while the commands were on their way and could not name this
+                    # connection yet: wake it from here. Redis ran the read along with CLIENT ID
+                    # (one write), so it is blocked now, or already answered. Best effort: the
+                    # reply must still be read below whatever happens to the wake.
+                    with contextlib.suppress(RedisError):
+                        await self.redis.client_unblock(client_id)
+            finally:
+                claim.id_on_its_way = None
+                on_its_way.set()
             return await conn.read_response()
 
         async def reconnect(error: Exception) -> None:

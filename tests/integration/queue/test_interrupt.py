@@ -42,6 +42,49 @@ async def test_interrupt_wakes_a_blocked_claim_and_later_entries_wait_for_the_ne
     assert [d.message.uid for d in await claim] == ["c"]
 
 
+async def test_interrupt_waits_for_the_id_of_a_read_redis_already_holds(redis, keys):
+    """Redis can hold the read blocked before the claim has read back its connection's id (one
+    write carries both): interrupt() cannot name it then, so it must wait for the claim to wake it."""
+    producer = prompt_queue(redis, keys, "learner")
+    replica = prompt_queue(redis, keys, "replica")
+    await replica.ensure_group()
+    id_reply_may_go = asyncio.Event()
+    pool = replica.redis.connection_pool
+    get_connection = pool.get_connection
+
+    async def connection_that_holds_the_blocking_reads_id(*args, **kwargs):
+        conn = await get_connection(*args, **kwargs)
+        send_packed_command, read_response = conn.send_packed_command, conn.read_response
+
+        async def send(command, *a, **k):
+            await send_packed_command(command, *a, **k)
+            written = b"".join(command if isinstance(command, list) else [command])
+            if b"CLIENT" in written and b"BLOCK" in written:  # the blocking read, not CLIENT LIST
+                conn.read_response = held
+                pool.get_connection = get_connection
+
+        async def held(*a, **k):
+            conn.read_response = read_response  # only the first reply after the write: CLIENT ID's
+            await id_reply_may_go.wait()
+            return await read_response(*a, **k)
+
+        conn.send_packed_command = send
+        return conn
+
+    pool.get_connection = connection_that_holds_the_blocking_reads_id
+    claim = asyncio.create_task(replica.claim(5, block_ms=LONG_BLOCK_MS))
+    await eventually(lambda: blocked_reads(redis), 1, "Redis to hold the read blocked")
+    interrupting = asyncio.create_task(replica.interrupt())
+    for _ in range(20):  # every other task gets its turns: interrupt() must still be waiting
+        await asyncio.sleep(0)
+    assert not interrupting.done()
+    id_reply_may_go.set()
+    await interrupting
+    assert await blocked_reads(redis) == 0
+    await producer.put(tasks("a"))
+    assert await claim == [] and await replica.unread() == 1
+
+
 async def test_interrupt_without_a_claim_in_progress_changes_nothing(redis, keys):
     producer = prompt_queue(redis, keys, "learner")
     replica = prompt_queue(redis, keys, "replica")
