@@ -32,8 +32,7 @@ def make_build(ranks: LocalRanks):  # type: ignore[no-untyped-def]
             learner_pb2_grpc.add_LearnerServicer_to_server, LearnerServicer(run.loop), SERVICE_NAME
         )
         service.on_start(run.start)
-        # A lost rank took its shard of the state along: no checkpoint could be whole.
-        service.on_shutdown(lambda: run.stop(checkpoint=ranks.lost is None))
+        service.on_shutdown(lambda: run.stop(rank_lost=ranks.lost is not None))
 
     return build
 

@@ -49,6 +49,8 @@ pytestmark = pytest.mark.chaos  # `make chaos`; too long for `make test`
 # Enough that the job is still running when the kill lands (progress lines come per poll, and a
 # step of the demo takes 0.1 s on a fast machine), few enough for the resumed run to finish.
 LEARNER_KILL_STEPS = 60
+# A standby takes over within a step or two, and the second kill waits for a new one to be built.
+STANDBY_KILL_STEPS = 300
 RPC_OF = {"reward": "/rlmesh.v1.Reward/Score", "reference": "/rlmesh.v1.Reference/LogProbs"}
 
 
@@ -169,16 +171,20 @@ def learner_rank(job: Job, rank: int) -> int:
 
 
 def kill_learner_twice(files: Files, run_dir: Path, rank: int, extra: list[str]) -> list[str]:
-    """Runs a job of LEARNER_KILL_STEPS steps and ``kill -9``s learner rank ``rank`` twice, each
+    """Runs a job of LEARNER_KILL_STEPS steps (STANDBY_KILL_STEPS with a standby) and ``kill -9``s learner rank ``rank`` twice, each
     time while it holds trajectories of a step, the second once the replaced learner committed two
     steps. No one acts: `rlmesh train` must replace the learner each time and finish the plan, and
     the audit hold across both failovers. Returns a line per kill: what it hit, the time from it to
     the next committed step, and the steps done again."""
-    job = Job.start(["-c", str(CPU_DEMO), *overrides(files, run_dir, LEARNER_KILL_STEPS), *extra])
+    standby = "rlmesh.learner.standbys=1" in extra
+    steps = STANDBY_KILL_STEPS if standby else LEARNER_KILL_STEPS
+    job = Job.start(["-c", str(CPU_DEMO), *overrides(files, run_dir, steps), *extra])
     kills = []
     try:
-        job.wait_for(step_line(KILL_AT, LEARNER_KILL_STEPS), timeout_s=240)
-        for _ in range(2):
+        job.wait_for(step_line(KILL_AT, steps), timeout_s=240)
+        for kill in range(2):
+            if standby:  # the one started in place of the standby that took over the first time
+                job.wait_for_count(r"\] learner-standby is back", kill, timeout_s=RECOVERY_BOUND_S)
             backs = job.count(r"\] learner is back")
             held = kill_at_work(job, run_dir, "learner", learner_rank(job, rank))
             at = time.time()
@@ -195,8 +201,15 @@ def kill_learner_twice(files: Files, run_dir: Path, rank: int, extra: list[str])
             job.proc.send_signal(signal.SIGINT)
             job.proc.wait(timeout=60)
     code = -9 if rank == 0 else EXIT_RESTART
-    assert job.count(rf"\] learner exited with code {code}: restarting it") == 2, job.tail()
-    audit(files, run_dir, LEARNER_KILL_STEPS)
+    how = "its warm standby takes over" if standby else "restarting it"
+    assert job.count(rf"\] learner exited with code {code}: {how}") == 2, job.tail()
+    audit(files, run_dir, steps)
+    if standby:  # each standby's log lines, the promoted ones' included, go to one file
+        log = next(run_dir.glob("services/*/logs/learner-standby.log")).read_text()
+        # Two took over; the last one saw its learner finish the run and did not take it over
+        # (or was stopped first, as the job ended).
+        assert log.count("standby: took over the learner lease") == 2, log[-3000:]
+        assert "finished: no standby takes it over" in log or "it never took over" in log, log[-3000:]
     lines = []
     for at, held in kills:
         first = steps_started_after(run_dir, at)[0]
@@ -217,3 +230,13 @@ def test_a_killed_learner_is_replaced_twice_and_the_run_finishes_its_plan(files,
 @pytest.mark.timeout(900)
 def test_a_killed_rank_of_a_two_rank_learner_is_replaced_twice(files, tmp_path):
     kill_learner_twice(files, tmp_path / "run", 1, ["rlmesh.learner.ranks=2"])
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_learner_is_replaced_twice_by_its_warm_standby(files, tmp_path):
+    kill_learner_twice(files, tmp_path / "run", 0, ["rlmesh.learner.standbys=1"])
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_rank_of_a_two_rank_learner_is_replaced_twice_by_its_warm_standby(files, tmp_path):
+    kill_learner_twice(files, tmp_path / "run", 1, ["rlmesh.learner.ranks=2", "rlmesh.learner.standbys=1"])

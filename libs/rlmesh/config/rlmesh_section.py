@@ -193,6 +193,21 @@ class LearnerServiceConfig(ServiceConfig):
         "the background (marked complete and renamed into place once every rank's files are written); a "
         "save waits for the one before it, and the run's last for itself. false: the step waits for the write",
     )
+    standbys: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="warm standby learners `rlmesh train` keeps beside the learner: each has built its model "
+        "and optimizer (every rank) and waits on the run's lease; when the learner dies, the standby takes "
+        "the lease at once (the learner's process gone from this host) and resumes from the latest "
+        "checkpoint, and a new standby is started. 0 = a dead learner is started again from nothing",
+    )
+    standby: bool = Field(
+        False,
+        description="this learner process is a warm standby: it builds its model and optimizer, then waits "
+        "on the run's lease as long as it takes instead of giving up after 1.5 leases. Set by `rlmesh "
+        "train` on the standbys it starts (rlmesh.learner.standbys)",
+    )
     optimizer_threads: int = Field(
         0,
         ge=0,

@@ -98,6 +98,12 @@ def probe(instance: ServiceInstance, token: str | None) -> ServiceReport:
 
 
 STACK_ORDER = ("reward", "reference", "rollout", "learner", "control")
+STANDBY = "learner-standby"  # the warm standby learner's name (rlmesh.learner.standbys)
+
+
+def learner_addresses(learner: ServiceInstance) -> str:
+    """The override that points the control plane at ``learner``."""
+    return f"rlmesh.learner.addresses=['{learner.grpc_address}']"
 
 
 def free_port_overrides(service: str) -> list[str]:
@@ -130,6 +136,11 @@ class Stack:
     @property
     def learner(self) -> ServiceInstance | None:
         return self.get("learner")
+
+    @property
+    def standby(self) -> ServiceInstance | None:
+        """The warm standby learner (rlmesh.learner.standbys), when one is up."""
+        return self.get(STANDBY)
 
     def processes(self) -> list[tuple[str, ManagedProcess]]:
         """Every process started here, by name: Redis first, in start order."""
@@ -171,6 +182,42 @@ class Stack:
             self.launcher.stop_together([learner])
         if self.redis is not None:
             self.launcher.stop_together([self.redis.process])
+
+    def promote_standby(self) -> ServiceInstance:
+        """The learner died and its standby took the run over: the standby is the learner from now
+        on, and the control plane (when there is one) is started again on its URL, pointed at it."""
+        old, standby = self.learner, self.standby
+        assert old is not None and standby is not None
+        self.started.remove(standby)
+        standby.name = "learner"
+        self.started[self.started.index(old)] = standby
+        self.specs["learner"] = self.specs[STANDBY]
+        if self.control is not None:
+            service, extra, timeout_s = self.specs["control"]
+            extra = [e for e in extra if not e.startswith("rlmesh.learner.addresses=")]
+            self.specs["control"] = (service, [*extra, learner_addresses(standby)], timeout_s)
+            assert self.launcher is not None
+            self.launcher.stop_together([self.control.process])  # its port is kept for the new one
+            self.restart("control")
+        return standby
+
+    def start_standby(self) -> ServiceInstance:
+        """A new warm standby, in place of one that took over or died."""
+        assert self.launcher is not None, "start_standby needs the launcher start_stack was given"
+        service, extra, timeout_s = self.specs[STANDBY]
+        instance = self.launcher.start_service(
+            service,
+            name=STANDBY,
+            config_path=self.config_path,
+            overrides=[*self.overrides, *free_port_overrides(service), *extra],
+            env=self.envs.get(STANDBY),
+            timeout_s=timeout_s,
+        )
+        gone = self.standby
+        if gone is not None:
+            self.started.remove(gone)
+        self.started.append(instance)
+        return instance
 
     def restart(self, name: str) -> ManagedProcess:
         """Starts service ``name`` (or ``"redis"``) again after it died, where the others find it:
@@ -320,8 +367,14 @@ def start_stack(
             return []
         # On its configured port when one was given (people and scripts dial it), else a free one.
         port = [f"rlmesh.control.port={cfg.rlmesh.control.port}"] if "rlmesh.control.port" in given else []
+        return [request("control", "control", [learner_addresses(learner), *port], "")]
+
+    def standby() -> list[ServiceRequest]:
+        # Once the learner serves: the two would build their models side by side otherwise.
+        if "learner" not in services or not cfg.rlmesh.learner.standbys:
+            return []
         return [
-            request("control", "control", [f"rlmesh.learner.addresses=['{learner.grpc_address}']", *port], "")
+            request("learner", STANDBY, ["rlmesh.learner.standby=true"], ", warm: waits on the run's lease")
         ]
 
     def then(instance: ServiceInstance) -> list[ServiceRequest]:
@@ -329,7 +382,7 @@ def start_stack(
         say(f"{instance.name:<12} {instance.grpc_address} (pid {instance.process.pid}{notes[instance.name]})")
         if instance.name == "control":
             say(f"{'':<12} control plane: {http_scheme()}://{instance.grpc_address}/docs")
-        return control(instance) if instance.name == "learner" else []
+        return [*control(instance), *standby()] if instance.name == "learner" else []
 
     started = launcher.start_services(requests, then=then)
     # In the order they were started (as `rlmesh up` reports them), not the order they came up.

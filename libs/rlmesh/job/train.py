@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmesh.job.report import engine_server_info, plot, read_metrics, stage_rates
+from rlmesh.job.stack import STANDBY
 from rlmesh.reward.failures import step_line_part
 from rlmesh.runtime.tls import sync_channel, tls_of
 
@@ -159,6 +160,7 @@ class Supervisor:
     def __init__(self, stack: Any, restarts: RestartBudget, say: Say) -> None:
         self.stack, self.restarts, self.say = stack, restarts, say
         self.restarting: set[str] = set()
+        self.gone: set[str] = set()  # services that ended and are not restarted (a standby's exit)
         self.failure = ""
         self.run_over = False  # set once the learner's run ended: its exit is then no death
         self.restarted = threading.Event()  # set as each restarted service is back
@@ -176,6 +178,14 @@ class Supervisor:
             code = proc.popen.returncode
             if name == "learner" and (self.run_over or not restartable(code)):
                 continue  # follow_learner ends the job: its run is over, or failed by itself
+            if name == STANDBY and (self.run_over or not restartable(code)):
+                # Exit 0: it found the run ended by its learner (finished, or stopped).
+                if code != 0 and not self.run_over and name not in self.gone:  # failed by itself
+                    self.say(
+                        f"the standby learner exited with code {code}: the job goes on without one; its log: {proc.log_path}"
+                    )
+                self.gone.add(name)
+                continue
             died = f"{name} exited with code {code} while the learner ran; its log: {proc.log_path}"
             if name == "learner":
                 died = f"the learner died (exit code {code}); its log: {proc.log_path}"
@@ -184,13 +194,19 @@ class Supervisor:
                 self.failure = f"{died} (restarted {self.restarts.per_hour} times within the hour already)"
                 break
             keeps = "; Redis, reward, reference and the replicas go on" if name == "learner" else ""
+            how = "restarting it"
+            if name == "learner" and self._standby_alive():
+                how = "its warm standby takes over, a new standby starts"
             self.say(
-                f"{name} exited with code {code}: restarting it ({attempt} of {self.restarts.per_hour} "
-                f"this hour){keeps}"
+                f"{name} exited with code {code}: {how} ({attempt} of {self.restarts.per_hour} this hour){keeps}"
             )
             self.restarting.add(name)
             self._todo.put((name, died))
         return self.failure
+
+    def _standby_alive(self) -> bool:
+        standby = self.stack.standby
+        return standby is not None and standby.process.alive()
 
     def _work(self) -> None:
         from rlmesh.runtime.launcher import LaunchError
@@ -198,14 +214,38 @@ class Supervisor:
         while True:
             name, died = self._todo.get()
             try:
-                new = self.stack.restart(name)
+                if name == "learner" and self._standby_alive():
+                    # It took the run's lease the moment the learner's process was gone.
+                    self.restarting.add("control")  # stopped and started again, pointed at it
+                    try:
+                        learner = self.stack.promote_standby().process
+                    finally:
+                        self.restarting.discard("control")
+                    self.say(
+                        f"learner is back (pid {learner.pid}): its standby took the run over; a new standby starts"
+                    )
+                    self._back("learner")
+                    name = STANDBY
+                    new = self.stack.start_standby().process
+                else:
+                    new = self.stack.restart(name)
             except LaunchError as e:
-                self.failure = f"{died}; restarting it failed: {e.headline}"
+                if name == STANDBY:  # the run does not need one
+                    self.say(
+                        f"a new standby learner did not start ({e.headline}): the job goes on without one"
+                    )
+                    self.gone.add(name)
+                    self._back(name)
+                else:
+                    self.failure = f"{died}; restarting it failed: {e.headline}"
                 continue
             self.say(f"{name} is back (pid {new.pid})")
-            self.restarting.discard(name)
-            self.restarted.set()
-            self.restarted.clear()
+            self._back(name)
+
+    def _back(self, name: str) -> None:
+        self.restarting.discard(name)
+        self.restarted.set()
+        self.restarted.clear()
 
 
 def learner_state(phase: str, message: str) -> str:

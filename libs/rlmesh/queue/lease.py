@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from rlmesh.queue.connection import TRANSIENT_ERRORS
 
 log = logging.getLogger("rlmesh.queue")
+
+STANDBY_POLL_S = 0.2  # how often a standby (an unbounded wait) looks at the lease
 
 # Renew or release only while the key still holds our token: a lease that ran out may be another's.
 # A key that expired while Redis was away (an outage longer than the lease) is taken again.
@@ -68,30 +72,37 @@ class RunLease:
         self.token = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())})
         self.lost = False  # set when a renewal found the key gone or someone else's
 
-    async def acquire(self, wait_s: float | None = None) -> None:
-        """Takes the lease, waiting up to ``wait_s`` (default 1.5 leases: a dead holder's runs out);
-        at once from a holder of this host whose process is gone (``dead_here``)."""
+    async def acquire(self, wait_s: float | None = None, stopped: Callable[[], bool] | None = None) -> bool:
+        """Takes the lease, waiting up to ``wait_s`` (default 1.5 leases: a dead holder's runs out;
+        ``math.inf``: a standby's wait); at once from a holder of this host whose process is gone
+        (``dead_here``). Returns False when ``stopped()`` turned true first."""
         wait_s = 1.5 * self.lease_ms / 1000 if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         announced = False
+        # A standby polls often: its takeover time is the point of it, and a GET is cheap.
+        poll_s = STANDBY_POLL_S if math.isinf(wait_s) else min(1.0, self.lease_ms / 3000)
         while not await self.redis.set(self.key, self.token, nx=True, px=self.lease_ms):
             holder = await self.redis.get(self.key)
             if dead_here(holder) and await self.redis.eval(
                 _TAKE_OVER, 1, self.key, holder, self.token, self.lease_ms
             ):
                 log.warning("%s was held by %s, which is dead: took it over", self.key, holder)
-                return
+                return True
             if time.monotonic() > deadline:
                 raise LeaseHeldError(
                     f"{self.key} is held by another {self.what} ({(holder or b'?').decode(errors='replace')}), which keeps "
                     f"renewing it: one {self.what} per run id; stop that one or use another rlmesh.run_id"
                 )
+            if stopped is not None and stopped():
+                return False
             if not announced:
+                how_long = "as long as it is held" if math.isinf(wait_s) else f"up to {wait_s:.0f} s"
                 log.warning(
-                    "%s is held (%s); waiting up to %.0f s for its lease to run out", self.key, holder, wait_s
+                    "%s is held (%s); waiting %s for its lease to run out", self.key, holder, how_long
                 )
                 announced = True
-            await asyncio.sleep(min(1.0, self.lease_ms / 3000))
+            await asyncio.sleep(poll_s)
+        return True
 
     async def keep(self) -> None:
         """Renews every third of the lease until cancelled; sets ``lost`` once another holds the key.

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -78,3 +79,35 @@ async def test_a_live_holder_or_one_of_another_host_keeps_its_lease(redis, keys,
     with pytest.raises(LeaseHeldError):
         await RunLease(redis, key, lease_s=60).acquire(wait_s=0)
     assert await redis.get(key) == value.encode()
+
+
+async def test_a_standby_waits_past_many_leases_and_takes_the_key_once_released(redis, keys):
+    key = keys.scoped("learner_lease")
+    holder = RunLease(redis, key, lease_s=0.2)
+    await holder.acquire()
+    keeper = asyncio.create_task(holder.keep())
+    standby = RunLease(redis, key, lease_s=0.2)
+    standby.token = holder_token("standby", 1)
+    waiting = asyncio.create_task(standby.acquire(wait_s=math.inf))
+    # Twenty leases, far past the 1.5 a learner waits: the standby is still waiting, not refused.
+    for _ in range(20):
+        await asyncio.sleep(0.2)
+        assert await redis.get(key) == holder.token.encode()
+    assert not waiting.done()
+    keeper.cancel()
+    await holder.release()
+    assert await asyncio.wait_for(waiting, timeout=10) is True
+    assert await redis.get(key) == standby.token.encode()
+
+
+async def test_a_standby_told_to_stop_gives_up_its_wait_without_the_key(redis, keys):
+    key = keys.scoped("learner_lease")
+    await redis.set(key, holder_token(f"not-{socket.gethostname()}", 1), px=60_000)
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(
+        RunLease(redis, key, lease_s=60).acquire(wait_s=math.inf, stopped=stop.is_set)
+    )
+    await asyncio.sleep(0)
+    stop.set()
+    assert await asyncio.wait_for(waiting, timeout=10) is False
+    assert await redis.get(key) == holder_token(f"not-{socket.gethostname()}", 1).encode()

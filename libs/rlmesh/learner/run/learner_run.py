@@ -57,10 +57,13 @@ class LearnerRun:
         finally:
             self.on_end(code)  # the other ranks have been told: their exit is expected now
 
-    async def stop(self, checkpoint: bool = True) -> None:
-        """SIGTERM: finish the step, checkpoint (unless told not to), stop."""
-        self.loop.state.stop_requested = True
-        self.loop.state.stop_checkpoint = self.loop.state.stop_checkpoint and checkpoint
+    async def stop(self, rank_lost: bool = False) -> None:
+        """SIGTERM: finish the step, checkpoint, stop. With a rank lost no checkpoint could be
+        whole, and the run is left to a successor (a standby, or a learner started again)."""
+        st = self.loop.state
+        st.stop_requested = True
+        st.stop_checkpoint = st.stop_checkpoint and not rank_lost
+        st.replaceable = rank_lost
         if self._task is not None and not self._task.done():
             await self._task
         # The run tells the other ranks to stop when it ends; one that never began (the server

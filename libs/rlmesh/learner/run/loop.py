@@ -35,7 +35,7 @@ from rlmesh.learner.run.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.run.step_metrics import StepClock, job_gpus, step_metrics
 from rlmesh.learner.run.trainer_thread import RankZero, TrainerThread
 from rlmesh.learner.run.validation import run_validation, select_generations, val_sampling
-from rlmesh.learner.run.wiring import RunWiring, sampling_params, wire_run
+from rlmesh.learner.run.wiring import RunWiring, StoppedBeforeLease, mark_run_ended, sampling_params, wire_run
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import RunKeys, retry_redis_with_deadline
 from rlmesh.queue.connection import TRANSIENT_ERRORS
@@ -145,20 +145,24 @@ class TrainingLoop:
         w: RunWiring | None = None
         self.rank_zero.start_keepalive()  # first: the followers wait for a command from now on
         try:
-            w = await wire_run(
-                cfg,
-                self.keys,
-                train_set=self.train_set,
-                cursor=self.cursor,
-                sampling=self.sampling,
-                vocab_size=getattr(self.trainer, "vocab_size", None),
-                ref_from_replicas=self._ref_from_replicas,
-                reward_rule=self.reward_rule,
-                rank_zero=self.rank_zero,
-                state=st,
-                checkpoint_root=self.checkpoint_root,
-                progress=self.progress,
-            )
+            try:
+                w = await wire_run(
+                    cfg,
+                    self.keys,
+                    train_set=self.train_set,
+                    cursor=self.cursor,
+                    sampling=self.sampling,
+                    vocab_size=getattr(self.trainer, "vocab_size", None),
+                    ref_from_replicas=self._ref_from_replicas,
+                    reward_rule=self.reward_rule,
+                    rank_zero=self.rank_zero,
+                    state=st,
+                    checkpoint_root=self.checkpoint_root,
+                    progress=self.progress,
+                )
+            except StoppedBeforeLease as e:  # a standby that never took over: nothing to end
+                self.progress(str(e))
+                return
             await self._resume()
             if st.step == 0:  # an engine that has not had the push below takes no work
                 st.version = first_policy_version(cfg.actor_rollout_ref.model.lora_adapter_path)
@@ -207,6 +211,14 @@ class TrainingLoop:
             await self.rank_zero.finish(failure)
             self.sinks.close()
             if w is not None:  # None when wiring failed: it closed what it had made itself
+                if not failure and not st.replaceable:  # before the lease goes: no standby takes over
+                    finished = st.step >= st.total_steps
+                    await mark_run_ended(
+                        w.redis,
+                        self.keys,
+                        "finished" if finished else f"stopped at step {st.step}",
+                        ttl_s=cfg.rlmesh.queue.finished_run_ttl_s if finished else 0,
+                    )
                 await w.aclose()
             # Last, once nothing here uses the replicas, the reward or Redis any more: `rlmesh
             # train` stops them when it reads this, while this process exits (a failure turns it

@@ -40,6 +40,9 @@ class LoopState:
     paused_by: str = ""  # START_PAUSED or PAUSE_REQUEST while paused, else ""
     stop_requested: bool = False
     stop_checkpoint: bool = True
+    # The run is left to a successor when this learner ends: a rank of it died. Otherwise its end
+    # (finished, stopped, failed) is the run's, and a standby does not take over.
+    replaceable: bool = False
     last_metrics: dict[str, float] = field(default_factory=dict)
     last_checkpoint: str = ""
     live_replicas: int = 0

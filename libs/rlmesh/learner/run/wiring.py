@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from rlmesh.config import RLMeshConfig
 from rlmesh.config.loader import dump_public_yaml
@@ -39,6 +42,23 @@ from rlmesh.queue.run_info import publish_config
 from rlmesh.reward.client import RewardClient
 from rlmesh.reward.failures import RewardErrorRule
 from rlmesh.v1 import common_pb2
+
+log = logging.getLogger("rlmesh.learner")
+
+RUN_ENDED = "learner_ended"  # why the run's learner ended it (finished, stopped), set as it lets go
+
+
+async def mark_run_ended(redis: aioredis.Redis, keys: RunKeys, why: str, ttl_s: int = 0) -> None:
+    """Tells a standby waiting on the lease that the run ended by choice, not by a death: it must
+    not take it over. A learner started again for the run clears it."""
+    try:
+        await redis.set(keys.scoped(RUN_ENDED), why, ex=ttl_s if ttl_s > 0 else None)
+    except RedisError as e:  # the run's end stands; a standby may resume it and find it ended
+        log.warning("could not mark run %s ended (%s) for a standby: %s", keys.run_id, why, e)
+
+
+class StoppedBeforeLease(Exception):
+    """A standby told to stop while it waited on the lease: its run never began."""
 
 
 @dataclass
@@ -96,8 +116,25 @@ async def wire_run(
         # Before anything else touches the run's keys: a second learner would trim the prompt
         # stream under the first one and consume its trajectories.
         lease = RunLease(redis, keys.scoped("learner_lease"), lease_s=2 * q.heartbeat_ttl_s)
-        progress(f"taking the learner lease of run {keys.run_id}")
-        await lease.acquire()
+        if cfg.rlmesh.learner.standby:
+            state.message = (
+                f"standby: model and optimizer built, waiting on the learner lease of run {keys.run_id}"
+            )
+            progress(state.message)
+            if not await lease.acquire(wait_s=math.inf, stopped=lambda: state.stop_requested):
+                raise StoppedBeforeLease(f"stopped as a standby of run {keys.run_id}: it never took over")
+            ended = await redis.get(keys.scoped(RUN_ENDED))
+            if ended is not None:  # the learner ended the run itself and let the lease go
+                await lease.release()
+                raise StoppedBeforeLease(
+                    f"run {keys.run_id} {ended.decode(errors='replace')}: no standby takes it over"
+                )
+            state.message = ""
+            progress(f"standby: took over the learner lease of run {keys.run_id}")
+        else:
+            progress(f"taking the learner lease of run {keys.run_id}")
+            await lease.acquire()
+            await redis.delete(keys.scoped(RUN_ENDED))  # started again: the run goes on
         closing.push_async_callback(_release, lease, asyncio.create_task(lease.keep()))
         incarnation = int(await redis.incr(keys.scoped("learner_incarnation")))
         prompts = prompt_queue(
