@@ -1,8 +1,8 @@
 """``docker-compose up --scale rollout=3`` trains a whole job for real (``make compose-test``):
 images built from deploy/, Redis with its AOF on a volume and a password, reward, reference, three
 replicas, the learner, Prometheus finding the replicas by DNS, a token on every call. A fourth
-replica added mid-run joins and takes work, a first one stopped mid-run is not missed; the run
-ends, every live replica holds the last policy, every step trained exactly its planned prompts,
+replica added mid-run joins and takes work, a first one stopped mid-run is not missed, the learner
+killed mid-run is restarted by its container's restart policy and resumes; the run ends, every live replica holds the last policy, every step trained exactly its planned prompts,
 nothing is left pending or dead-lettered, and the exported actor is on the volume."""
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from tests.support.docker import (
     ensure_dockerd,
     fill_build_extra,
     image_size_mb,
+    inspect,
+    kill_service_process,
     run,
 )
-from tests.support.jobs import audit_groups
+from tests.support.jobs import Planned, audit_groups, plan_of
 from tests.support.monitoring import DIRECT
 from tests.support.polling import wait_until
 from tests.support.repo import CPU_DEMO, REPO
@@ -89,7 +91,7 @@ def stack(tmp_path_factory) -> Iterator[Compose]:
             "PROMETHEUS_PORT": str(free_port()),
             "STEPS": str(STEPS),
             "TEST_FREQ": "20",
-            "SAVE_FREQ": "20",
+            "SAVE_FREQ": "5",  # the learner killed mid-run resumes from a recent checkpoint
         },
     )
     try:
@@ -176,7 +178,7 @@ def prometheus_up(port: str) -> dict[str, list[float]]:
     return by_job
 
 
-def planned_prompts(root: Path, steps: int) -> dict[int, list[int]]:
+def planned_prompts(root: Path, steps: int) -> dict[int, list[Planned]]:
     """What the learner's seeded cursor draws for each step, from the run's own data copy."""
     overrides = [
         f"actor_rollout_ref.model.path={root / 'demo' / 'model'}",
@@ -184,9 +186,7 @@ def planned_prompts(root: Path, steps: int) -> dict[int, list[int]]:
     ]
     cfg = load_config(str(CPU_DEMO), overrides)
     dataset = RLHFDataset.from_config(cfg.data, load_tokenizer(cfg.tokenizer_path()), split="train")
-    cursor = PromptCursor.from_config(cfg.data, dataset)
-    batch = cfg.data.train_batch_size
-    return {s: [dataset[i].index for i in cursor.next_indices(batch)] for s in range(1, steps + 1)}
+    return plan_of(dataset, PromptCursor.from_config(cfg.data, dataset), cfg.data.train_batch_size, steps)
 
 
 def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
@@ -247,9 +247,24 @@ def test_compose_trains_with_scaled_replicas(stack: Compose, tmp_path: Path):
     run(["docker", "stop", "-t", "60", removed])
     assert container_state(removed)["ExitCode"] == 0, compose.logs("rollout")[-3000:]
     removed_at = learner_step(compose)
-    control(compose, "POST", "run/resume")
 
+    # The learner dies (held between steps, so that it dies mid-run on any machine): its container
+    # restarts (restart: on-failure), the new learner takes the lease once it lapses (the same
+    # hostname, maybe the same pid: not known dead), resumes from the checkpoint and goes on.
     (learner,) = compose.containers("learner")
+    killed_pid = kill_service_process(learner)
+    say(f"kill -9 of the learner (host pid {killed_pid}) at step {removed_at}")
+    wait_until(
+        lambda: inspect(learner)["RestartCount"] >= 1, 300, "the learner's container to restart", every_s=1
+    )
+    wait_until(
+        lambda: learner_step(compose) > removed_at,
+        900,
+        "the restarted learner to go past its step",
+        every_s=2,
+    )
+    say(f"the restarted learner is at step {learner_step(compose)}")
+
     wait_until(lambda: not container_state(learner)["Running"], 1800, "the learner to finish", every_s=3)
     code = container_state(learner)["ExitCode"]
     learner_log = compose.logs("learner")

@@ -181,6 +181,21 @@ def inspect(container: str) -> dict:
     return json.loads(run(["docker", "inspect", container]).stdout)[0]
 
 
+def kill_service_process(container: str) -> int:
+    """``kill -9`` of the service a container runs (the child of its init, ``init: true``), from
+    the host: a death, which its restart policy answers (``docker kill`` counts as a stop by hand
+    and is not restarted). Returns the host pid it killed."""
+    init = int(inspect(container)["State"]["Pid"])
+    children = [
+        int(p)
+        for task in Path(f"/proc/{init}/task").iterdir()
+        for p in (task / "children").read_text().split()
+    ]
+    assert len(children) == 1, f"{container}: its init has children {children}, not the one service"
+    os.kill(children[0], signal.SIGKILL)
+    return children[0]
+
+
 def container_ip(container: str) -> str:
     networks = inspect(container)["NetworkSettings"]["Networks"]
     return next(n["IPAddress"] for n in networks.values() if n["IPAddress"])
