@@ -203,16 +203,7 @@ class Stack:
 
     def start_standby(self) -> ServiceInstance:
         """A new warm standby, in place of one that took over or died."""
-        assert self.launcher is not None, "start_standby needs the launcher start_stack was given"
-        service, extra, timeout_s = self.specs[STANDBY]
-        instance = self.launcher.start_service(
-            service,
-            name=STANDBY,
-            config_path=self.config_path,
-            overrides=[*self.overrides, *free_port_overrides(service), *extra],
-            env=self.envs.get(STANDBY),
-            timeout_s=timeout_s,
-        )
+        instance = self._start(STANDBY)
         gone = self.standby
         if gone is not None:
             self.started.remove(gone)
@@ -231,13 +222,21 @@ class Stack:
             assert self.redis is not None
             self.redis = self.launcher.start_redis(port=self.redis.port, password=self.redis.password)
             return self.redis.process
-        service, extra, timeout_s = self.specs[name]
+        service = self.specs[name][0]
         old = self.get(name)
         assert old is not None
         keep = []
         if service in ("reward", "reference", "control", "learner"):  # where the others (and people) reach it
             keep = [f"rlmesh.{service}.port={old.grpc_address.rsplit(':', 1)[1]}"]
-        instance = self.launcher.start_service(
+        instance = self._start(name, keep)
+        self.started[self.started.index(old)] = instance
+        return instance.process
+
+    def _start(self, name: str, keep: Sequence[str] = ()) -> ServiceInstance:
+        """Starts ``name`` as ``start_stack`` specified it, on free ports but ``keep``'s."""
+        assert self.launcher is not None, "starting a service needs the launcher start_stack was given"
+        service, extra, timeout_s = self.specs[name]
+        return self.launcher.start_service(
             service,
             name=name,
             config_path=self.config_path,
@@ -245,8 +244,6 @@ class Stack:
             env=self.envs.get(name),
             timeout_s=timeout_s,
         )
-        self.started[self.started.index(old)] = instance
-        return instance.process
 
 
 def gpu_plan_here(cfg: RLMeshConfig) -> GpuPlan | None:
