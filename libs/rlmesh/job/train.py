@@ -173,14 +173,14 @@ class Supervisor:
         from rlmesh.runtime.launcher import restartable
 
         for name, proc in self.stack.processes():
-            if proc.alive() or name in self.restarting or self.failure:
+            if proc.alive() or name in self.restarting or name in self.gone or self.failure:
                 continue
             code = proc.popen.returncode
             if name == "learner" and (self.run_over or not restartable(code)):
                 continue  # follow_learner ends the job: its run is over, or failed by itself
             if name == STANDBY and (self.run_over or not restartable(code)):
                 # Exit 0: it found the run ended by its learner (finished, or stopped).
-                if code != 0 and not self.run_over and name not in self.gone:  # failed by itself
+                if code != 0 and not self.run_over:  # failed by itself
                     self.say(
                         f"the standby learner exited with code {code}: the job goes on without one; its log: {proc.log_path}"
                     )
@@ -191,7 +191,12 @@ class Supervisor:
                 died = f"the learner died (exit code {code}); its log: {proc.log_path}"
             attempt = self.restarts.take(name)
             if not attempt:
-                self.failure = f"{died} (restarted {self.restarts.per_hour} times within the hour already)"
+                over = f"{died} (restarted {self.restarts.per_hour} times within the hour already)"
+                if name == STANDBY:  # the run does not need one
+                    self.say(f"{over}: the job goes on without a standby")
+                    self.gone.add(name)
+                    continue
+                self.failure = over
                 break
             keeps = "; Redis, reward, reference and the replicas go on" if name == "learner" else ""
             how = "restarting it"

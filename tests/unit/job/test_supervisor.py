@@ -162,3 +162,17 @@ def test_a_standby_that_died_is_restarted_one_that_ended_is_not(tmp_path, code, 
             assert said == []
     finally:
         stack.close()
+
+
+def test_a_standby_over_its_budget_leaves_the_job_running_without_one(tmp_path):
+    said: list[str] = []
+    learner = running("learner")
+    stack = Stack([learner, exited(tmp_path, STANDBY, -signal.SIGKILL)])
+    stack.live.append(learner.popen)
+    try:
+        supervisor = Supervisor(stack, RestartBudget(0), said.append)
+        assert supervisor.check() == "" and supervisor.check() == ""
+        assert stack.restarted == [] and supervisor.failure == ""
+        assert len(said) == 1 and said[0].endswith("the job goes on without a standby"), said
+    finally:
+        stack.close()
