@@ -111,9 +111,12 @@ def _state(pid: int) -> str:
 def _name(pid: int) -> str:
     """What a process is, from its command line: the service, the engine, redis, the export."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        # A forked service's title is one string (setproctitle), an exec'd one's NUL-separated.
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
     except OSError:
         return "?"
+    if "forkserver" in argv:
+        return "fork server"
     command = (
         argv[argv.index("rlmesh.cli") + 1 : argv.index("rlmesh.cli") + 3] if "rlmesh.cli" in argv else []
     )

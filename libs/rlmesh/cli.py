@@ -173,6 +173,38 @@ def cmd_protos(args: argparse.Namespace, rest: list[str]) -> int:
     return protogen_main(rest)
 
 
+def cmd_forkserver(args: argparse.Namespace, rest: list[str]) -> int:
+    from rlmesh.runtime.forkserver import serve
+
+    forked = serve(args.socket, _preload_for_forks)  # returns only in a forked child
+    return main(forked)
+
+
+def _preload_for_forks() -> None:
+    """What the services import: torch, transformers' auto classes, DeepSpeed, the embedded engine
+    and every service of the ``rlmesh.services`` entry points."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    import torch  # noqa: F401
+    import transformers
+
+    # DeepSpeed's autotuner imports mlflow where it is installed: 1.5 s, and pyarrow's allocator
+    # thread, which would leave the server unable to fork. Autotuning is not used.
+    hide_mlflow = "mlflow" not in sys.modules
+    if hide_mlflow:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        if hide_mlflow:
+            del sys.modules["mlflow"]
+    _ = (transformers.AutoModelForCausalLM, transformers.AutoTokenizer, transformers.AutoConfig)
+    importlib.import_module("rlmesh.engine.http_server")
+    for entry in entry_points(group="rlmesh.services"):
+        importlib.import_module(entry.value.split(":", 1)[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlmesh", description="PPO post-training for language models as decoupled services."
@@ -283,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("protos", help="regenerate the gRPC code in libs/rlmesh/v1 from protos/")
     p.set_defaults(func=cmd_protos, passthrough=True)
+
+    p = sub.add_parser(
+        "forkserver",
+        help="(started by rlmesh train, demo and up) import the services once and fork each from here",
+    )
+    p.add_argument("socket")
+    p.set_defaults(func=cmd_forkserver, passthrough=False)
     return parser
 
 

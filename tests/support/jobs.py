@@ -33,6 +33,7 @@ from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
 from rlmesh.learner.run.feeder import index_of
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlmesh.queue import RunKeys
+from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.v1 import trajectory_pb2
 from tests.support.polling import wait_until
 from tests.support.processes import child_env
@@ -203,11 +204,21 @@ def step_line(step: int, steps: int) -> str:
 
 
 def engine_of(replica_pid: int) -> int:
-    """The embedded engine process a replica started (its child)."""
-    children = []
-    for task in Path(f"/proc/{replica_pid}/task").iterdir():
-        children += [int(p) for p in (task / "children").read_text().split()]
-    engines = [p for p in children if b"engine" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    """The embedded engine process a replica started: its child, or, where the job's fork server
+    (the replica's parent) forked both, the server's child the replica asked for."""
+
+    def argv(pid: int) -> list[bytes]:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
+
+    parent = int(Path(f"/proc/{replica_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    if argv(parent)[-3:-1] == [b"rlmesh.cli", b"forkserver"]:
+        server = ForkServer(argv(parent)[-1].decode())
+        children = [c for c, launcher in server.children().items() if launcher == replica_pid]
+    else:
+        children = []
+        for task in Path(f"/proc/{replica_pid}/task").iterdir():
+            children += [int(p) for p in (task / "children").read_text().split()]
+    engines = [p for p in children if b"engine" in argv(p)]
     assert len(engines) == 1, f"engine children of {replica_pid}: {engines} of {children}"
     return engines[0]
 

@@ -358,6 +358,12 @@ class RuntimeConfig(Section):
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM, time to drain in-flight work, seconds"
     )
+    fork_server: bool = Field(
+        True,
+        description="`rlmesh train`, `demo` and `up` fork their rlmesh services (engines included) from "
+        "one process that imported torch, transformers and DeepSpeed once, instead of each importing "
+        "them again; false = exec each (docs/operations.md#the-fork-server)",
+    )
     health_timeout_s: float = Field(
         120.0, gt=0, description="how long a launcher waits for a service to become healthy, seconds"
     )

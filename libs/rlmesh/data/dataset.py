@@ -9,12 +9,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from rlmesh.data.errors import DatasetError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class Overlong:
 
 def read_parquet(path: str | Path) -> pa.Table:
     """The whole table, or a DatasetError naming the file."""
+    # Imported here: pyarrow starts allocator threads, and the fork server imports this module.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         return pq.read_table(str(path))
     except FileNotFoundError:

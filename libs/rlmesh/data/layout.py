@@ -5,9 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
 
@@ -26,6 +23,9 @@ def verl_row(
 
 def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Write rows (dicts with COLUMNS) to one Parquet file, creating its folder."""
+    import pyarrow as pa  # here: pyarrow starts allocator threads, and the fork server imports this
+    import pyarrow.parquet as pq
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{c: r[c] for c in COLUMNS} for r in rows])

@@ -3,6 +3,7 @@ which is ``rlmesh up``. docs/train.md#rlmesh-up"""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import time
@@ -33,6 +34,7 @@ from rlmesh.runtime.launcher import (
     RedisInstance,
     ServiceInstance,
     ServiceRequest,
+    start_fork_server,
 )
 from rlmesh.runtime.net import free_port
 from rlmesh.runtime.tls import export_tls, http_scheme, sync_channel, tls_of
@@ -407,7 +409,13 @@ def run_stack(
     t0 = time.monotonic()
     # Logs and Redis data stay in runs/<run id> (git-ignored) so they can be read afterwards.
     workdir = workdir or str(Path("runs") / run_id)
-    with ProcessLauncher(workdir, stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s) as launcher:
+    forkserver = start_fork_server(cfg.rlmesh.runtime.fork_server)
+    with (
+        forkserver or contextlib.nullcontext(),  # closed once the launcher stopped its children
+        ProcessLauncher(
+            workdir, stop_grace_s=cfg.rlmesh.runtime.shutdown_grace_s, forkserver=forkserver
+        ) as launcher,
+    ):
         print(f"[rlmesh up] run {run_id}: logs in {launcher.workdir / 'logs'}", flush=True)
         # A check of the stack, not a run: the learner holds before its first step (resume it over
         # the control plane to train) unless the user says otherwise.

@@ -4,6 +4,7 @@ verl's ``main_ppo``. docs/train.md"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -22,6 +23,7 @@ from typing import Any
 from rlmesh.job.report import engine_server_info, plot, read_metrics, stage_rates
 from rlmesh.job.stack import STANDBY
 from rlmesh.reward.failures import step_line_part
+from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.runtime.tls import sync_channel, tls_of
 
 Say = Callable[[str], None]
@@ -416,6 +418,7 @@ def run_job(
     after_start: Callable[[Any], None] | None = None,
     before_stop: Callable[[Any], None] | None = None,
     export: bool | None = None,
+    forkserver: ForkServer | None = None,
 ) -> JobResult:
     """Starts the stack, follows the learner until it exits, stops everything.
 
@@ -425,11 +428,12 @@ def run_job(
     back, fails the job, named in ``failure``. With ``export`` True or False the plot is drawn,
     and with True the actor exported, while the services stop (``summarize`` reports them);
     None leaves both to ``summarize``. On Ctrl-C it says which checkpoint the same command
-    resumes from, once everything stopped, and raises ``KeyboardInterrupt`` on.
+    resumes from, once everything stopped, and raises ``KeyboardInterrupt`` on. The services fork
+    from ``forkserver``, else from one started here (rlmesh.runtime.fork_server) and closed after.
     """
     from rlmesh.config import load_config
     from rlmesh.job.stack import start_stack
-    from rlmesh.runtime.launcher import LaunchError, ProcessLauncher
+    from rlmesh.runtime.launcher import LaunchError, ProcessLauncher, start_fork_server
     from rlmesh.runtime.run_file import RunFiles, this_process
 
     t0 = time.monotonic()
@@ -459,7 +463,12 @@ def run_job(
     follower = MetricsFollower(checkpoint_dir / "metrics.jsonl")
     grace_s = max(cfg.rlmesh.runtime.shutdown_grace_s, 30)
     stack = None
-    with ProcessLauncher(service_dir, stop_grace_s=grace_s) as launcher, RunFiles() as run_files:
+    own = start_fork_server(cfg.rlmesh.runtime.fork_server) if forkserver is None else None
+    with (
+        own or contextlib.nullcontext(),  # closed last, once the launcher stopped its children
+        ProcessLauncher(service_dir, stop_grace_s=grace_s, forkserver=forkserver or own) as launcher,
+        RunFiles() as run_files,
+    ):
         try:
             try:
                 stack = start_stack(launcher, config_path, overrides, say=say)
@@ -671,6 +680,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlmesh train: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    from rlmesh.runtime.launcher import start_fork_server
+
+    # It imports while the pre-flight runs.
+    with start_fork_server(cfg.rlmesh.runtime.fork_server) or contextlib.nullcontext() as forkserver:
+        return _checked_run(args, cfg, forkserver)
+
+
+def _checked_run(args: argparse.Namespace, cfg: Any, forkserver: ForkServer | None) -> int:
     if not args.skip_preflight:
         # What the services would fail on once started, and a run with nothing left to train: found
         # before anything starts or any directory is made.
@@ -698,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    result = run_job(args.config, args.overrides, export=not args.no_export)
+    result = run_job(args.config, args.overrides, export=not args.no_export, forkserver=forkserver)
     if result.code != 0:
         print(f"rlmesh train: {result.failure or 'failed'}", file=sys.stderr)
         return result.code

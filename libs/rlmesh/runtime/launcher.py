@@ -25,6 +25,7 @@ from urllib.parse import quote, urlencode
 
 from rlmesh.config.secrets import redact_argv, secret_env, split_secret_overrides
 from rlmesh.runtime.cpu_env import quiet_deepspeed_on_cpu
+from rlmesh.runtime.forkserver import SOCKET_ENV, ForkedChild, ForkServer, cli_args
 from rlmesh.runtime.health import grpc_health, http_ok, redis_ping
 from rlmesh.runtime.net import bracket, dial_host, free_port, host_of, is_wildcard
 from rlmesh.runtime.tls import http_scheme
@@ -117,6 +118,22 @@ def with_parent_death_signal(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
+def base_child_env() -> dict[str, str]:
+    """The environment every child starts from: this process's, one intra-op thread unless set,
+    unbuffered output, DeepSpeed's CPU accelerator where there is no GPU."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    quiet_deepspeed_on_cpu(env)
+    return env
+
+
+def start_fork_server(enabled: bool = True) -> ForkServer | None:
+    """A fork server for a launcher's children (rlmesh.runtime.fork_server), None when not
+    ``enabled``; it imports while the caller goes on."""
+    return ForkServer.start(base_child_env()) if enabled else None
+
+
 @dataclass
 class ServiceRequest:
     """One service for :meth:`ProcessLauncher.start_services` (the arguments of ``start_service``)."""
@@ -187,7 +204,7 @@ def local_rendezvous(world_size: int) -> dict[str, str]:
 class ManagedProcess:
     name: str
     argv: list[str]
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedChild
     log_path: Path
     info: dict[str, object] = field(default_factory=dict)
 
@@ -298,7 +315,11 @@ class ProcessLauncher:
         stop_grace_s: float = 30.0,
         log_max_bytes: int = LOG_MAX_BYTES,
         log_backups: int = LOG_BACKUPS,
+        forkserver: ForkServer | None = None,
     ) -> None:
+        # ``rlmesh.cli`` children fork from ``forkserver`` (its owner closes it after this launcher
+        # stopped them), else from the one this process's own launcher gave it, else exec.
+        self.forkserver = forkserver or ForkServer.inherited()
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="rlmesh-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -324,21 +345,25 @@ class ProcessLauncher:
         environment instead (see ``rlmesh.config.secrets``), so ``ps`` and logs never show them."""
         argv, secret = split_secret_overrides(argv)
         log_path = self.workdir / "logs" / f"{name}.log"
-        child_env = {**os.environ, **(env or {}), **secret_env(secret)}
-        child_env.setdefault("OMP_NUM_THREADS", "1")
-        child_env.setdefault("PYTHONUNBUFFERED", "1")
-        quiet_deepspeed_on_cpu(child_env)
+        child_env = {**base_child_env(), **(env or {}), **secret_env(secret)}
+        args = cli_args(argv) if self.forkserver is not None else None
+        if self.forkserver is not None:
+            child_env[SOCKET_ENV] = self.forkserver.socket_path
         with self._log_lock:  # a restart under the same name
             rotate_log(log_path, self.log_max_bytes, self.log_backups)
         with open(open_private_log(log_path), "ab") as log_file:
-            popen = subprocess.Popen(
-                with_parent_death_signal(argv),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                start_new_session=True,
-            )
+            popen: subprocess.Popen[bytes] | ForkedChild | None = None
+            if self.forkserver is not None and args is not None:
+                popen = self.forkserver.fork(args, child_env, log_file.fileno())
+            if popen is None:
+                popen = subprocess.Popen(
+                    with_parent_death_signal(argv),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=child_env,
+                    start_new_session=True,
+                )
         proc = ManagedProcess(name=name, argv=list(argv), popen=popen, log_path=log_path)
         self.processes.append(proc)
         self._watch_logs()
@@ -724,6 +749,6 @@ def _reap(proc: ManagedProcess, deadline: float, grace_s: float) -> None:
     proc.popen.wait()
 
 
-def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(popen: subprocess.Popen[bytes] | ForkedChild, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)  # start_new_session=True: the group id is the child's pid
