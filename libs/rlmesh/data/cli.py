@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from rlmesh.data.arithmetic import ARITHMETIC_INSTRUCTION, OPS, generate_arithmetic
+from rlmesh.data.chain import CHAIN_INSTRUCTION, generate_chain, response_lengths
 from rlmesh.data.dataset import read_parquet
 from rlmesh.data.errors import DatasetError
 from rlmesh.data.gsm8k import convert_gsm8k
@@ -27,6 +28,27 @@ def cmd_arithmetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chain(args: argparse.Namespace) -> int:
+    paths = generate_chain(
+        args.out,
+        args.seed,
+        train_size=args.train_size,
+        val_size=args.val_size,
+        max_steps=args.max_steps,
+        tail=args.tail,
+        max_start=args.max_start,
+        max_delta=args.max_delta,
+    )
+    for split, path in paths.items():
+        rows = read_parquet(path).to_pylist()
+        n = response_lengths(rows)
+        print(
+            f"wrote {path} ({len(rows)} {split} rows); correct response length in characters: min {n['min']}, "
+            f"p50 {n['p50']}, p90 {n['p90']}, p99 {n['p99']}, max {n['max']} ({n['max_over_p50']:.1f}x the median)"
+        )
+    return 0
+
+
 def cmd_gsm8k(args: argparse.Namespace) -> int:
     path, n = convert_gsm8k(args.input, args.out, split=args.split)
     print(f"wrote {path} ({n} {args.split} rows)")
@@ -35,7 +57,7 @@ def cmd_gsm8k(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlmesh data", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{arithmetic,gsm8k}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{arithmetic,chain,gsm8k}")
 
     a = sub.add_parser(
         "arithmetic",
@@ -52,6 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-operand", type=int, default=20, help="operands are drawn from 0..max-operand")
     a.add_argument("--ops", default=OPS, help=f"operators to use, a subset of {OPS!r}")
     a.set_defaults(func=cmd_arithmetic)
+
+    c = sub.add_parser(
+        "chain",
+        help="running totals with a long tail of response lengths (data_source chain)",
+        description=f'Prompts "Start at 7, then +3 -5 +2. {CHAIN_INSTRUCTION}", answer "10 5 7 #### 7" '
+        "(extra_info.solution; the ground truth is the last total). The number of steps k is drawn with "
+        "P(k) ~ k^-tail, so most responses are short and a few run to max-steps totals. Writes "
+        "OUT/train.parquet and OUT/test.parquet and prints the length distribution of each.",
+    )
+    c.add_argument("--out", required=True, help="output directory")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--train-size", type=int, default=2000)
+    c.add_argument("--val-size", type=int, default=200)
+    c.add_argument("--max-steps", type=int, default=40)
+    c.add_argument("--tail", type=float, default=1.3, help="P(k steps) ~ k^-tail; 0 = uniform")
+    c.add_argument("--max-start", type=int, default=20, help="the start is drawn from 0..max-start")
+    c.add_argument("--max-delta", type=int, default=9, help="each step adds ±1..max-delta")
+    c.set_defaults(func=cmd_chain)
 
     g = sub.add_parser(
         "gsm8k",

@@ -44,6 +44,7 @@ DATA_SOURCES: dict[str, str] = {
     "math": "math_dapo",
     "math_dapo_reasoning": "math_dapo",
     "arithmetic": "arithmetic",
+    "chain": "arithmetic",  # rlmesh.data.chain: the last running total after "####", an integer
 }
 
 # data_source prefix -> built-in name, for sources DATA_SOURCES does not name (verl: aime2024, ...)

@@ -277,6 +277,10 @@ def serve(socket_path: str, preload: Callable[[], None]) -> list[str]:
     in a child, set up as exec would have started it, with its ``rlmesh.cli`` arguments."""
     mine = import_time_env(os.environ)  # as started: imports set some (torch's NVML check)
     preload()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # A CUDA context does not survive fork(): the children would fail on their first kernel.
+        raise SystemExit("fork server: an import initialised CUDA, not forking")
     try:
         _serve(socket_path, mine)
     except _Child as child:
