@@ -20,6 +20,7 @@ from transformers import Qwen2Config
 
 from rlmesh.config.loader import load_config
 from rlmesh.engine.client import FLATTENED_BUCKET_SINCE, EngineClient, EngineError, engine_device_of
+from rlmesh.learner.weight_sync.cycle import update_cycle
 from rlmesh.learner.weight_sync.links import EngineLink
 from rlmesh.learner.weight_sync.verify import check_engines
 from rlmesh.rollout.engines import sglang_launch_argv, weight_sync_ranks_of
@@ -206,6 +207,14 @@ def test_every_request_rlmesh_sends_builds_sglangs_own_request_and_reads_its_ans
             failed: dict[str, str] = {}
             await check_engines([link], failed, {"model.norm.weight": torch.ones(4)})
             seen["check"] = (failed, link.verifiable)
+            # The learner's cycle for in-flight updates: running requests kept in place, no flush.
+            in_place: dict[str, str] = {}
+
+            async def nothing() -> None:
+                return None
+
+            await update_cycle([link], in_place, 8, nothing, 10, "in_place")
+            seen["in_place"] = in_place
             with pytest.raises(EngineError) as refused:
                 await anonymous.init_weights_update_group("127.0.0.1", 29999, 1, 2, "g2", "gloo")
             seen["anonymous"] = refused.value.status
@@ -233,14 +242,15 @@ def test_every_request_rlmesh_sends_builds_sglangs_own_request_and_reads_its_ans
     assert update["dtypes"] == ["float32", "bfloat16"] and update["shapes"] == [[16], [64, 16]]
     assert update["group_name"] == "g1" and update["load_format"] == "flattened_bucket"
     assert update["flush_cache"] is False and update["weight_version"] is None
-    (version,) = served.calls("update_weight_version")
+    version, in_place_version = served.calls("update_weight_version")
     assert version["new_version"] == "7" and version["abort_all_requests"] is False
-    (pause,) = served.calls("pause_generation")
-    assert pause["mode"] == "retract"
-    assert len(served.calls("continue_generation")) == 1 and len(served.calls("flush_cache")) == 1
+    assert in_place_version["new_version"] == "8"
+    assert [p["mode"] for p in served.calls("pause_generation")] == ["retract", "in_place"]
+    assert seen["in_place"] == {}
+    assert len(served.calls("continue_generation")) == 2 and len(served.calls("flush_cache")) == 1
     (disk,) = served.calls("update_weights_from_disk")
     assert (disk["model_path"], disk["weight_version"], disk["flush_cache"]) == ("/weights/v7", "7", False)
-    assert len(served.calls("begin_weight_update")) == 1 and len(served.calls("end_weight_update")) == 1
+    assert len(served.calls("begin_weight_update")) == 2 and len(served.calls("end_weight_update")) == 2
     (destroy,) = served.calls("destroy_weights_update_group")
     assert destroy["group_name"] == "g1"
     (gen,) = served.calls("generate")

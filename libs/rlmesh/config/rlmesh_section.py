@@ -350,6 +350,14 @@ class WeightSyncConfig(Section):
         "an engine that differs is dropped and pushed to afresh; 0 = none",
     )
     disk_dir: str | None = Field(None, description="shared directory for transport=disk")
+    pause_mode: Literal["retract", "in_place"] = Field(
+        "retract",
+        description="how engines hold the sequences they run during a push (SGLang's pause_generation "
+        "mode): retract = back to the queue, their KV cache dropped and recomputed with the new weights "
+        "(the cache is flushed); in_place = kept where they are with their KV cache, and they go on "
+        "decoding with the new weights, each token tagged with the version that sampled it "
+        "(Trajectory.token_policy_versions; no flush: SGLang refuses one while requests run)",
+    )
 
 
 class RuntimeConfig(Section):

@@ -35,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # The weight version each output token was sampled with: weights pushed between decode steps
+    # (pause in place, update, continue) change it within a sequence.
+    versions: list[str] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
 
 
@@ -260,6 +263,7 @@ class BatchEngine:
         for seq, token, logprob, stop in zip(rows, tokens.tolist(), logprobs, stops, strict=True):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
             try:
                 self._check_finished(seq, token, stop)
             except Exception as e:  # e.g. a stop string the tokenizer cannot decode against

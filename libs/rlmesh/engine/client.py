@@ -18,6 +18,10 @@ from rlmesh.runtime.http_auth import bearer_headers
 from rlmesh.runtime.tls import https_context
 
 FLATTENED_BUCKET = "flattened_bucket"
+# In /generate's meta_info with return_logprob, beside output_token_logprobs: the weight version
+# each output token was sampled with. The embedded engine's own (SGLang reports one weight_version
+# per response, at its end).
+TOKEN_VERSIONS = "output_token_weight_versions"
 # The first SGLang release whose UpdateWeightsFromDistributedReqInput has ``load_format`` (0.5.5.post3
 # has none: the field would be dropped and the server would receive tensor by tensor).
 FLATTENED_BUCKET_SINCE = (0, 5, 6)

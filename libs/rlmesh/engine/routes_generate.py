@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rlmesh.engine.batching import DuplicateRequestError, GenerationRequest
+from rlmesh.engine.client import TOKEN_VERSIONS
 from rlmesh.engine.protocol import bad_request, body_of, check_generate_limits, parse_input_ids
 from rlmesh.engine.sampling import SamplingParamsError, parse_sampling_params
 from rlmesh.engine.state import EngineState, state_of
@@ -33,6 +34,8 @@ def render(state: EngineState, request: GenerationRequest, return_logprob: bool)
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)
             ]
+            # Not SGLang's: the weight version each token was sampled with (docs/sglang.md).
+            meta[TOKEN_VERSIONS] = list(seq.versions)
         out: dict[str, Any] = {"output_ids": seq.output_ids, "meta_info": meta}
         if state.tokenizer is not None:
             out["text"] = state.tokenizer.decode(

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from prometheus_client import CollectorRegistry, Counter
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from rlmesh.engine.client import EngineClient, EngineError
+from rlmesh.engine.client import TOKEN_VERSIONS, EngineClient, EngineError
 from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_redis_with_deadline
 from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
 from rlmesh.queue.signing import expose_untrusted
@@ -77,6 +77,25 @@ def parse_version(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0  # "default": the weights the engine started with
+
+
+def token_versions(output: dict[str, Any]) -> list[int]:
+    """The weight version of each output token, where the engine says (the embedded engine's
+    ``TOKEN_VERSIONS``, one per token); else empty."""
+    given = output["meta_info"].get(TOKEN_VERSIONS)
+    if not isinstance(given, list) or len(given) != len(output["output_ids"]):
+        return []
+    return [parse_version(v) for v in given]
+
+
+def oldest_version(output: dict[str, Any], versions: list[int], version_before: int) -> int:
+    """The oldest weights that sampled any token of ``output``: its first token's, where the
+    engine says per token; else the older of the version as generation started (``version_before``,
+    0 when unknown) and the one the engine reports at the end."""
+    if versions:
+        return min(versions)
+    at_end = parse_version(output["meta_info"].get("weight_version"))
+    return min(version_before, at_end) if version_before else at_end
 
 
 OUTCOMES = ("done", "failed", "interrupted")
@@ -561,7 +580,8 @@ class SamplerLoop:
         # advantages), so staleness is never under-counted.
         took_part = outs if baseline is None else [*outs, baseline]
         engine_version = min(parse_version(o["meta_info"].get("weight_version")) for o in took_part)
-        version = min(version_before, engine_version) if version_before else engine_version
+        versions = [token_versions(o) for o in took_part]
+        version = min(oldest_version(o, v, version_before) for o, v in zip(took_part, versions, strict=True))
         self.policy_version = max(self.policy_version, engine_version)
         trajs = []
         for i, o in enumerate(outs):
@@ -578,6 +598,7 @@ class SamplerLoop:
                     rollout_log_probs=[lp for lp, _, _ in meta.get("output_token_logprobs", [])],
                     finish_reason=str(meta["finish_reason"].get("type", "")),
                     policy_version=version,
+                    token_policy_versions=versions[i],
                     replica_id=self.settings.replica_id,
                     response_text=self._text(o),
                     ground_truth=task.ground_truth,

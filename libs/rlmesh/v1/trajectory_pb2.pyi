@@ -56,7 +56,7 @@ class StageTimings(_message.Message):
     def __init__(self, queue_wait_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., reference_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error", "baseline_score")
+    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error", "baseline_score", "token_policy_versions")
     class RewardExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Trajectory(_message.Message):
     VALIDATION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BASELINE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     uid: str
     group_uid: str
     task_uid: str
@@ -106,7 +107,8 @@ class Trajectory(_message.Message):
     validation: bool
     error: _common_pb2.SampleError
     baseline_score: float
-    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ..., baseline_score: _Optional[float] = ...) -> None: ...
+    token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ..., baseline_score: _Optional[float] = ..., token_policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrajectoryBatch(_message.Message):
     __slots__ = ("trajectories", "step")

@@ -37,6 +37,8 @@ def test_generate_single_answers_sglang_shape(engine):
     )
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(lp <= 0 and text is None for lp, _, text in meta["output_token_logprobs"])
+    # rlmesh's own field beside SGLang's: the version that sampled each token.
+    assert meta["output_token_weight_versions"] == ["default"] * 5
     assert isinstance(out["text"], str)
 
 

@@ -30,13 +30,14 @@ def validate(t):
     return None
 
 
-def group(gid, n, version=1, score=1.0):
+def group(gid, n, version=1, score=1.0, tokens=()):
     return [
         trajectory_pb2.Trajectory(
             uid=f"{gid}/{i}",
             group_uid=gid,
             response_ids=[1, 2],
             policy_version=version,
+            token_policy_versions=tokens,
             score=score,
             prompt_ids=[7],
         )
@@ -96,17 +97,20 @@ async def test_samples_of_weights_the_learner_never_had_are_refused_and_their_gr
     redis, _keys, producer, _learner, collector = await setup(redis_url, max_staleness=4)
     collector.refused_versions = [(5, 7)]
     kept, rolled_back, ahead = group_uid(3, 5, 0), group_uid(3, 5, 1), group_uid(3, 5, 2)
+    # Sampled from v4 into an in-place update: its second tokens came from v6, a refused version.
+    crossed = group_uid(3, 5, 3)
     requeued = []
 
     async def requeue(t):
         requeued.append(t.group_uid)
 
     await producer.put(group(rolled_back, 2, version=7) + group(ahead, 2, version=9))
+    await producer.put(group(crossed, 2, version=4, tokens=(4, 6)))
     await producer.put(group(kept, 1, version=4) + group(kept, 2, version=8)[1:])  # v4: before the checkpoint
     batch = await collector.collect(1, version=8, timeout_s=30, requeue=requeue)
     assert {t.group_uid for t in batch.trajectories} == {kept}
-    assert sorted(requeued) == sorted([rolled_back, ahead])
-    assert batch.counts["rolled_back_policy"] == 4 and batch.counts["stale"] == 0
+    assert sorted(requeued) == sorted([rolled_back, ahead, crossed])
+    assert batch.counts["rolled_back_policy"] == 6 and batch.counts["stale"] == 0
     await redis.aclose()
 
 

@@ -279,6 +279,8 @@ async def test_tasks_become_scored_trajectories_with_reference_logprobs(stack, r
             assert len(t.response_ids) == 6 and len(t.rollout_log_probs) == 6 and len(t.ref_log_probs) == 6
             assert t.replica_id == "replica-1" and t.ground_truth == "42" and t.step == 1
             assert t.finish_reason == "length" and t.timings.total_s >= t.timings.generate_s > 0
+            # The engine said which weights sampled each token: its first ("default", version 0).
+            assert list(t.token_policy_versions) == [0] * 6 and t.policy_version == 0
             if t.HasField("error"):
                 assert 13 in t.response_ids and t.error.message == "13 is unlucky"
             else:

@@ -27,9 +27,12 @@ def traj(
     group="g0",
     version=3,
     baseline=None,
+    tokens=None,
 ):
     t = Trajectory(uid=uid, group_uid=group, prompt_ids=prompt, response_ids=response, score=score)
     t.policy_version = version
+    if tokens is not None:
+        t.token_policy_versions.extend(tokens)
     if baseline is not None:
         t.baseline_score = baseline
     if rollout is not None:
@@ -90,6 +93,8 @@ def test_select_keeps_rows_aligned():
         ({"response": (4, -1)}, "response_ids"),
         ({"baseline": math.nan}, "baseline_score"),
         ({"baseline": -math.inf}, "baseline_score"),
+        ({"tokens": (3,)}, "token_policy_versions"),  # one version for two tokens
+        ({"tokens": (2, 3)}, "token_policy_versions"),  # a token older than policy_version (3)
     ],
 )
 def test_bad_trajectories_are_refused_naming_uid_and_field(kwargs, field):
@@ -211,6 +216,19 @@ def test_staleness_counts_versions_behind_the_trained_weights():
     }
     on_policy = staleness_metrics(batch.select([0, 2]), 4)
     assert on_policy["training/staleness/max"] == on_policy["training/staleness/mean"] == 0.0
+
+
+def test_staleness_is_per_token_for_a_response_sampled_across_an_update():
+    across = traj("g0/0", response=(4, 5, 6, 7), version=2, tokens=(2, 2, 3, 4))
+    fresh = traj("g0/1", response=(4,), version=4)  # its padding (3 positions) counts for nothing
+    batch = build_batch([across, fresh], PAD)
+    assert batch.token_policy_versions[0].tolist() == [2, 2, 3, 4]
+    assert staleness_metrics(batch, 4) == {
+        "training/staleness/mean": pytest.approx((2 + 2 + 1 + 0 + 0) / 5),
+        "training/staleness/max": 2.0,
+        "training/staleness/min": 0.0,
+    }
+    assert validate_trajectory(across) is None
 
 
 def test_batch_metrics_lengths_and_scores_are_the_samples_against_the_configured_maxima():

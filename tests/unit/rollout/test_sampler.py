@@ -8,7 +8,7 @@ import pytest
 
 from rlmesh.queue.streams import Delivery
 from rlmesh.rollout.resilience import CircuitBreaker
-from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings
+from rlmesh.rollout.sampler import SamplerLoop, SamplerSettings, oldest_version, token_versions
 from rlmesh.v1 import trajectory_pb2
 
 
@@ -105,3 +105,22 @@ async def test_tasks_the_last_claim_got_are_in_flight_when_pause_returns(sampler
     # Stopping gives up on it at once (no grace) and hands it back for another replica.
     assert await loop.stop(0) == 1
     assert queue.released == [b"1-0"] and loop.in_flight == 0
+
+
+def out(ids, at_end, versions=None):
+    meta = {"weight_version": at_end}
+    if versions is not None:
+        meta["output_token_weight_versions"] = versions
+    return {"output_ids": ids, "meta_info": meta}
+
+
+def test_each_token_keeps_the_version_that_sampled_it_and_the_oldest_tags_the_response():
+    crossed = out([4, 5, 6], "5", ["3", "3", "5"])  # an in-place update after two tokens
+    assert token_versions(crossed) == [3, 3, 5]
+    assert oldest_version(crossed, token_versions(crossed), version_before=2) == 3
+    # An engine that says nothing per token (SGLang), or says it for other tokens: the older of the
+    # version as generation started and the one at the end, for every token.
+    for silent in (out([4, 5, 6], "5"), out([4, 5, 6], "5", ["5"])):
+        assert token_versions(silent) == []
+        assert oldest_version(silent, [], version_before=4) == 4
+        assert oldest_version(silent, [], version_before=0) == 5  # 0: not known

@@ -85,6 +85,7 @@ class PPOBatch:
     index: np.ndarray
     uids: list[str]
     policy_versions: np.ndarray
+    token_policy_versions: np.ndarray
     data_sources: list[str] = field(default_factory=list)
     reward_baselines: torch.Tensor | None = None
     # The reward function's extra values by metric name (reward_extra_columns): (bs,) float64, NaN
@@ -121,6 +122,7 @@ class PPOBatch:
             index=self.index[np_idx],
             uids=[self.uids[i] for i in np_idx],
             policy_versions=self.policy_versions[np_idx],
+            token_policy_versions=self.token_policy_versions[np_idx],
             data_sources=[self.data_sources[i] for i in np_idx] if self.data_sources else [],
             reward_baselines=None if self.reward_baselines is None else self.reward_baselines[idx],
             reward_extra={name: values[np_idx] for name, values in self.reward_extra.items()},
@@ -154,6 +156,16 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
             return name, f"has {len(values)} values for {n} response tokens"
         if not _finite(values):
             return name, "holds a non-finite value"
+    versions = t.token_policy_versions
+    if len(versions):
+        if len(versions) != n:
+            return "token_policy_versions", f"has {len(versions)} values for {n} response tokens"
+        if min(versions) < t.policy_version:
+            return (
+                "token_policy_versions",
+                f"a token of version {min(versions)}, older than the trajectory's policy_version "
+                f"{t.policy_version}, which must be the oldest",
+            )
     return None
 
 
@@ -370,6 +382,7 @@ def build_batch(
         index=np.array([t.group_uid for t in trajectories], dtype=object),
         uids=[t.uid for t in trajectories],
         policy_versions=np.array([t.policy_version for t in trajectories], dtype=np.int64),
+        token_policy_versions=token_policy_versions(trajectories, width_r),
         data_sources=[t.data_source for t in trajectories],
         reward_baselines=(
             torch.tensor([t.baseline_score for t in trajectories], dtype=torch.float32)
@@ -412,11 +425,26 @@ def batch_metrics(
     return metrics
 
 
+def token_policy_versions(trajectories: Sequence[Trajectory], width: int) -> np.ndarray:
+    """(bs, width) int64: the version that sampled each response token (``token_policy_versions``,
+    else the trajectory's ``policy_version`` for all of it); padding holds the row's last value."""
+    out = np.zeros((len(trajectories), width), dtype=np.int64)
+    for i, t in enumerate(trajectories):
+        out[i, :] = t.policy_version
+        if len(t.token_policy_versions):
+            versions = np.asarray(t.token_policy_versions, dtype=np.int64)
+            out[i, : len(versions)] = versions
+            out[i, len(versions) :] = versions[-1]
+    return out
+
+
 def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:
-    """``training/staleness/{mean,max,min}``: how many policy versions the weights that sampled each
-    trajectory lag ``version``, the weights the step trains (0 for every sample of a synchronous
-    run, at most ``rlmesh.max_staleness`` in an asynchronous one)."""
-    lag = int(version) - batch.policy_versions.astype(np.int64)
+    """``training/staleness/{mean,max,min}`` over the batch's response tokens: how many policy
+    versions the weights that sampled each token lag ``version``, the weights the step trains (0
+    for every token of a synchronous run, at most ``rlmesh.max_staleness`` in an asynchronous one;
+    a response sampled across an in-place weight update has tokens of several versions)."""
+    mask = batch.response_mask.numpy().astype(bool)
+    lag = int(version) - batch.token_policy_versions[mask]
     return {
         "training/staleness/mean": float(lag.mean()),
         "training/staleness/max": float(lag.max()),

@@ -93,7 +93,11 @@ class BatchCollector:
             self.counts["abandoned_group"] += 1
             self._discard(traj, entry_id)
             return
-        refused = self.refused_policy(traj.policy_version, version)
+        # Any token of weights the learner never had refuses the sample (an in-place update
+        # gives a response tokens of several versions).
+        refused = any(
+            self.refused_policy(v, version) for v in {traj.policy_version, *traj.token_policy_versions}
+        )
         if traj.policy_version < version - self.max_staleness or refused:
             self.counts["rolled_back_policy" if refused else "stale"] += 1
             self._discard(traj, entry_id)

@@ -196,6 +196,7 @@ async def wire_run(
             bucket_bytes=ws.bucket_size_mb << 20,
             load_format=None if ws.load_format == "per_tensor" else ws.load_format,
             verify_tensors=ws.verify_tensors,
+            pause_mode=ws.pause_mode,
         )
         closing.push_async_callback(pusher.close)
         replicas = ReplicaRegistry(redis, keys, ttl_s=q.heartbeat_ttl_s)

@@ -18,25 +18,30 @@ async def update_cycle(
     version: str | int,
     update: Callable[[], Awaitable[None]],
     control_timeout_s: float,
+    pause_mode: str = "retract",
 ) -> None:
-    """SGLang's cycle around ``update``: running requests retracted, so that none generates on
-    half-updated weights and the flush is allowed; the update; the version, once all of it landed;
-    the prefix cache, computed with the old weights, dropped; go on. An engine that failed stays
-    paused: it may hold half-written weights (the embedded engine holds them anyway); the next
-    update to it, a full one, lets it go on. Pause, version, flush and continue get
-    ``control_timeout_s``, the update calls their client's timeout."""
+    """SGLang's cycle around ``update``: generation paused, so that no token is sampled from
+    half-updated weights; the update; the version, once all of it landed; go on.
+
+    ``pause_mode`` "retract" puts running requests back in the queue and drops the prefix cache,
+    computed with the old weights (the requests recompute theirs after); "in_place" keeps them and
+    their KV cache where they are: they go on with the new weights from the next token, and there
+    is no flush (SGLang refuses one while requests run). An engine that failed stays paused: it may
+    hold half-written weights (the embedded engine holds them anyway); the next update to it, a full
+    one, lets it go on. Pause, version, flush and continue get ``control_timeout_s``, the update
+    calls their client's timeout."""
     quick = control_timeout_s
-    await each(targets, failed, "pause_generation", lambda c: c.pause_generation(), quick)
+    await each(targets, failed, "pause_generation", lambda c: c.pause_generation(pause_mode), quick)
     await each(targets, failed, "begin_weight_update", lambda c: c.begin_weight_update())
     await update()
     await each(targets, failed, "end_weight_update", lambda c: c.end_weight_update())
     # The version and the flush are independent of each other; both must precede continue.
-    await asyncio.gather(
-        each(
-            targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version)), quick
-        ),
-        each(targets, failed, "flush_cache", lambda c: c.flush_cache(), quick),
-    )
+    calls = [
+        each(targets, failed, "update_weight_version", lambda c: c.update_weight_version(str(version)), quick)
+    ]
+    if pause_mode != "in_place":
+        calls.append(each(targets, failed, "flush_cache", lambda c: c.flush_cache(), quick))
+    await asyncio.gather(*calls)
     await each(targets, failed, "continue_generation", lambda c: c.continue_generation(), quick)
 
 

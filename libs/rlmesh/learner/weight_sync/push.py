@@ -113,6 +113,7 @@ class WeightPusher:
         group_prefix: str | None = None,
         load_format: str | None = FLATTENED_BUCKET,
         verify_tensors: int = 0,
+        pause_mode: str = "retract",
     ) -> None:
         """``master_port``: each engine's group rendezvous takes the lowest free port from it
         up (0: any free port). ``verify_tensors``: after each push, that many of the pushed tensors (spread over the
@@ -121,6 +122,7 @@ class WeightPusher:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
         self.load_format = load_format
+        self.pause_mode = pause_mode
         self._packer = Packer()
         self.links = [EngineLink(client=e, backend=backend) for e in engines]
         self.backend = backend
@@ -202,7 +204,7 @@ class WeightPusher:
                 if on_bucket is not None:
                     on_bucket(len(bucket), sent)  # progress: tensors in this bucket, bytes sent so far
 
-        await update_cycle(targets, failed, version, send_buckets, self.control_timeout_s)
+        await update_cycle(targets, failed, version, send_buckets, self.control_timeout_s, self.pause_mode)
         self._tensors_last_push = sample.seen
         await check_engines(targets, failed, sample.rows)
         return self._report(targets, failed, version, start, sent)
@@ -223,7 +225,7 @@ class WeightPusher:
                 lambda c: c.update_weights_from_disk(path, str(version), flush_cache=False),
             )
 
-        await update_cycle(targets, failed, version, load, self.control_timeout_s)
+        await update_cycle(targets, failed, version, load, self.control_timeout_s, self.pause_mode)
         return self._report(targets, failed, version, start, 0)
 
     async def connect_or_mark(self, only: set[str] | None = None) -> dict[str, str]:
