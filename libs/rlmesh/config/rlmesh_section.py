@@ -433,6 +433,14 @@ class SamplerConfig(Section):
         5, ge=1, description="consecutive failures that open a dependency's breaker"
     )
     breaker_reset_s: float = Field(5.0, gt=0, description="an open breaker lets one call through after this")
+    partial_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        description="partial rollouts: generate in calls of this many tokens and save each sample's tokens, "
+        "log-probs and versions with its task in Redis after each, so a generation interrupted (its "
+        "replica killed, an abort) goes on from them on any replica; 0 = one call per request "
+        "(docs/reliability.md#partial-rollouts)",
+    )
     engine_max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
     engine_port: int = Field(0, ge=0, le=65535, description="port of the replica's engine; 0 = a free one")
     engine_advertise_url: str | None = Field(

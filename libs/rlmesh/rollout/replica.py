@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from rlmesh.config import RLMeshConfig
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect, prompt_queue, trajectory_queue
+from rlmesh.queue.partials import PartialStore
 from rlmesh.queue.policy import PolicyState, inside_roots, read_policy
 from rlmesh.queue.signing import INVALID, UNTRUSTED
 from rlmesh.reference.client import ReferenceClient
@@ -61,6 +62,7 @@ def sampler_settings(cfg: RLMeshConfig, replica_id: str) -> SamplerSettings:
         backoff_s=s.retry_backoff_s,
         max_backoff_s=s.retry_max_backoff_s,
         sampling_defaults=sampling_defaults(cfg),
+        partial_chunk_tokens=s.partial_chunk_tokens,
     )
 
 
@@ -271,6 +273,7 @@ class RolloutReplica:
             engine_breaker=CircuitBreaker("engine", s.breaker_failures, s.breaker_reset_s),
             registry=metrics_registry,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            partials=PartialStore(redis, keys) if s.partial_chunk_tokens else None,
         )
         replica = cls(
             cfg,

@@ -21,8 +21,17 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from rlmesh.engine.client import TOKEN_VERSIONS, EngineClient, EngineError
 from rlmesh.queue.connection import TRANSIENT_ERRORS, retry_redis_with_deadline
 from rlmesh.queue.gauges import RunQueueGauges, WatchedStream, keys_of_stream
+from rlmesh.queue.partials import PartialSample, PartialStore
 from rlmesh.queue.signing import expose_untrusted
 from rlmesh.queue.streams import Delivery, QueueFullError, StreamQueue
+from rlmesh.rollout.chunks import (
+    RESUMED_TOKENS,
+    as_output,
+    chunk_params,
+    chunk_problem,
+    extend,
+    resumed_from,
+)
 from rlmesh.rollout.resilience import CircuitBreaker, Stopped, call_until_ok, is_transient
 from rlmesh.runtime.prometheus import MetricSet
 from rlmesh.v1 import common_pb2, reference_pb2, reward_pb2, trajectory_pb2
@@ -176,6 +185,13 @@ class SamplerMetrics:
         self.paused = series.gauge(
             "rlmesh_rollout_paused", "1 while the replica claims no work (paused or draining)"
         )
+        self.resumed_samples = series.counter(
+            "rlmesh_rollout_resumed_samples",
+            "Samples taken over with tokens an earlier replica generated (partial rollouts)",
+        )
+        self.resumed_tokens = series.counter(
+            "rlmesh_rollout_resumed_tokens", "Tokens taken over from an earlier replica, not generated again"
+        )
         if registry is not None:  # what this replica read from Redis and did not trust
             expose_untrusted(registry)
 
@@ -189,6 +205,9 @@ class SamplerSettings:
     backoff_s: float = 0.2
     max_backoff_s: float = 10.0
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Generate in calls of this many tokens, saving each sample's tokens with its task after each
+    # (``partials``), so an interrupted generation goes on from them; 0: one call per request.
+    partial_chunk_tokens: int = 0
     retryable: Callable[[BaseException], bool] = is_transient
 
 
@@ -208,7 +227,11 @@ class SamplerLoop:
         can_claim: Callable[[], Awaitable[bool]] | None = None,
         registry: CollectorRegistry | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        partials: PartialStore | None = None,
     ) -> None:
+        if settings.partial_chunk_tokens and partials is None:
+            raise ValueError("partial_chunk_tokens needs a PartialStore to save the samples in")
+        self.partials = partials
         self.prompts = prompts
         self.trajectories = trajectories
         self.engine = engine
@@ -247,6 +270,7 @@ class SamplerLoop:
         self._parked.set()
         self._stop = asyncio.Event()
         self._in_flight: dict[bytes, asyncio.Task[None]] = {}
+        self._unchunked_logged: set[str] = set()
 
     # ----- control -----
     async def pause(self) -> None:
@@ -398,6 +422,7 @@ class SamplerLoop:
             await retry_redis_with_deadline(lambda: self.prompts.ack(acked), f"ack {len(acked)} task(s)")
             for entry_id in acked:
                 pending.pop(entry_id)
+            await self._drop_partials([d.message.uid for d, _ in sampled])
         except (Stopped, asyncio.CancelledError):
             # Not acked: they stay pending and are reclaimed by another replica.
             self.metrics.tasks.labels("interrupted").inc(len(pending))
@@ -430,6 +455,14 @@ class SamplerLoop:
             lambda: self.prompts.dead_letter_message(delivery.entry_id, task, reason, delivery.deliveries),
             f"dead-letter {task.uid}",
         )
+        await self._drop_partials([task.uid])
+
+    async def _drop_partials(self, task_uids: list[str]) -> None:
+        """Forgets the saved samples of tasks that are done with; left behind (Redis unreachable),
+        they expire."""
+        if self.partials is not None:
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                await self.partials.drop(task_uids)
 
     async def _publish(self, sampled: list[tuple[Delivery[trajectory_pb2.PromptTask], list[Traj]]]) -> None:
         """Writes the wave's trajectories in as few stream writes as the stream's bound allows (one,
@@ -599,6 +632,7 @@ class SamplerLoop:
                     finish_reason=str(meta["finish_reason"].get("type", "")),
                     policy_version=version,
                     token_policy_versions=versions[i],
+                    resumed_tokens=int(meta.get(RESUMED_TOKENS, 0)),
                     replica_id=self.settings.replica_id,
                     response_text=self._text(o),
                     ground_truth=task.ground_truth,
@@ -636,7 +670,10 @@ class SamplerLoop:
         greedy baseline from those of its samples."""
         params = group[0][1]
         try:
-            outs = await self._generate([d.message for d, _ in group], params, label)
+            if self._chunked(params, label):
+                return await self._generate_partial(group, pending)
+            tasks = [d.message for d, _ in group]
+            outs = await self._generate([list(t.prompt_ids) for t in tasks], params, _name(tasks, label))
         except EngineError as e:
             if not e.rejected:
                 raise
@@ -654,12 +691,17 @@ class SamplerLoop:
         return [(delivery, outs[i * n : (i + 1) * n]) for i, (delivery, _) in enumerate(group)]
 
     async def _generate(
-        self, tasks: list[trajectory_pb2.PromptTask], params: dict[str, Any], label: str = ""
+        self,
+        prompts: list[list[int]],
+        params: dict[str, Any],
+        what: tuple[str, str],
+        keep_aborted: bool = False,
     ) -> list[dict[str, Any]]:
         """Generates, retrying while the engine is unreachable or failing (5xx); a 4xx refusal of
-        the request itself is raised at once."""
-        what = tasks[0].uid if len(tasks) == 1 else f"{len(tasks)} tasks ({tasks[0].uid}, ...)"
-        prompts = [list(t.prompt_ids) for t in tasks]
+        the request itself is raised at once. ``what``: the request named in messages, and the
+        request id of a single prompt. An aborted sample is generated again, unless
+        ``keep_aborted`` (the caller goes on from what it has)."""
+        described, rid_base = what
 
         async def generate(_: None) -> list[dict[str, Any]]:
             if len(prompts) == 1:
@@ -668,11 +710,11 @@ class SamplerLoop:
                 # No rid: SGLang derives one per sequence of a batch, and the retry of a batch is a new one.
                 out = await self.engine.generate(prompts, params, return_logprob=True)
             outs = out if isinstance(out, list) else [out]
-            aborted = [o for o in outs if _finish_type(o) == "abort"]
+            aborted = [] if keep_aborted else [o for o in outs if _finish_type(o) == "abort"]
             if aborted:
                 # Cut short (aborted by an operator, or by an engine failure): never trained on.
                 raise EngineError(
-                    f"{self.engine.name}: {len(aborted)} sample(s) of {what} were aborted "
+                    f"{self.engine.name}: {len(aborted)} sample(s) of {described} were aborted "
                     f"({aborted[0]['meta_info']['finish_reason'].get('message', '')}); generating again",
                     status=503,
                 )
@@ -683,9 +725,108 @@ class SamplerLoop:
         attempts = itertools.count(1)
 
         def rid() -> str:
-            return f"{tasks[0].uid}{label}#{next(attempts)}"
+            return f"{rid_base}#{next(attempts)}"
 
         return await self._call(generate, None, self.engine_breaker, "engine")
+
+    def _chunked(self, params: dict[str, Any], label: str) -> bool:
+        """Whether samples of ``params`` are generated in chunks (and saved after each): partial
+        rollouts are on, the request is longer than a chunk, and a cut changes nothing of its
+        sampling. Greedy baselines are one call: one short sample, cheap to generate again."""
+        chunk = self.settings.partial_chunk_tokens
+        if not chunk or label or params.get("max_new_tokens", chunk + 1) <= chunk:
+            return False
+        problem = chunk_problem(params)
+        if problem is not None and problem not in self._unchunked_logged:
+            self._unchunked_logged.add(problem)
+            log.warning("generating in one call, not in chunks of %d tokens: %s", chunk, problem)
+        return problem is None
+
+    async def _generate_partial(
+        self,
+        group: list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]],
+        pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
+    ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[dict[str, Any]]]]:
+        """``_generate_group`` in chunks: a task taken over starts from the samples saved with it;
+        each round asks the engine for the next chunk of every sample not complete (a task not
+        started in one call with its ``n``, prompt + tokens so far for the others), adds it, and
+        saves every sample of the tasks it touched. An abort keeps what it generated."""
+        assert self.partials is not None
+        params = group[0][1]
+        limit, n, chunk = params["max_new_tokens"], params["n"], self.settings.partial_chunk_tokens
+        samples: dict[bytes, list[PartialSample]] = {}
+        for delivery, _ in group:
+            task = delivery.message
+            saved: dict[int, PartialSample] = {}
+            if delivery.deliveries > 1:  # taken over: an earlier holder may have saved samples
+                saved = await retry_redis_with_deadline(
+                    lambda uid=task.uid: self.partials.load(uid, limit), f"load samples of {task.uid}"
+                )
+            samples[delivery.entry_id] = [resumed_from(saved.get(i)) for i in range(n)]
+            kept = [len(s.output_ids) for s in samples[delivery.entry_id] if s.output_ids]
+            self.metrics.resumed_samples.inc(len(kept))
+            self.metrics.resumed_tokens.inc(sum(kept))
+        live = [d for d, _ in group if d.entry_id in pending]
+        while True:
+            fresh = [d for d in live if not any(s.output_ids or s.finish_reason for s in samples[d.entry_id])]
+            going = [
+                (d, s) for d in live if d not in fresh for s in samples[d.entry_id] if not s.finish_reason
+            ]
+            if not fresh and not going:
+                break
+            version_before = await self._engine_version()
+            calls: list[tuple[list[PartialSample], Awaitable[list[dict[str, Any]]]]] = []
+            if fresh:
+                tasks = [d.message for d in fresh]
+                first = {**chunk_params(params, PartialSample(), chunk), "n": n}
+                calls.append(
+                    (
+                        [s for d in fresh for s in samples[d.entry_id]],  # prompt-major, as SGLang answers
+                        self._generate(
+                            [list(t.prompt_ids) for t in tasks], first, _name(tasks, ""), keep_aborted=True
+                        ),
+                    )
+                )
+            by_params: dict[str, list[tuple[Delivery[trajectory_pb2.PromptTask], PartialSample]]] = {}
+            for d, s in going:
+                by_params.setdefault(json.dumps(chunk_params(params, s, chunk), sort_keys=True), []).append(
+                    (d, s)
+                )
+            for key, items in by_params.items():
+                tasks = [d.message for d, _ in items]
+                calls.append(
+                    (
+                        [s for _, s in items],
+                        self._generate(
+                            [[*d.message.prompt_ids, *s.output_ids] for d, s in items],
+                            json.loads(key),
+                            _name(tasks, "/more"),
+                            keep_aborted=True,
+                        ),
+                    )
+                )
+            answers = await asyncio.gather(*(call for _, call in calls))
+            for (targets, _), outs in zip(calls, answers, strict=True):
+                if len(outs) != len(targets):
+                    raise EngineError(
+                        f"{self.engine.name}: answered {len(outs)} outputs for {len(targets)} samples",
+                        status=500,
+                    )
+                for sample, out in zip(targets, outs, strict=True):
+                    versions = token_versions(out) or [oldest_version(out, [], version_before)] * len(
+                        out["output_ids"]
+                    )
+                    extend(sample, out, versions, limit)
+            await asyncio.gather(
+                *(
+                    retry_redis_with_deadline(
+                        lambda d=d: self.partials.save(d.message.uid, dict(enumerate(samples[d.entry_id]))),
+                        f"save samples of {d.message.uid}",
+                    )
+                    for d in live
+                )
+            )
+        return [(d, [as_output(s) for s in samples[d.entry_id]]) for d in live]
 
     async def _scores(
         self,
@@ -770,6 +911,12 @@ def set_baseline(trajs: Sequence[Traj], result: reward_pb2.RewardResult) -> None
                 traj.error.message = f"greedy baseline: {result.error.message}"
         else:
             traj.baseline_score = result.score
+
+
+def _name(tasks: Sequence[trajectory_pb2.PromptTask], label: str) -> tuple[str, str]:
+    """A generate request of ``tasks`` as named in messages, and its request id (before the attempt)."""
+    what = tasks[0].uid if len(tasks) == 1 else f"{len(tasks)} tasks ({tasks[0].uid}, ...)"
+    return what, f"{tasks[0].uid}{label}"
 
 
 def _finish_type(output: dict[str, Any]) -> str:

@@ -56,7 +56,7 @@ class StageTimings(_message.Message):
     def __init__(self, queue_wait_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., reference_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error", "baseline_score", "token_policy_versions")
+    __slots__ = ("uid", "group_uid", "task_uid", "sample_index", "prompt_ids", "response_ids", "rollout_log_probs", "ref_log_probs", "score", "reward_extra", "finish_reason", "policy_version", "replica_id", "timings", "response_text", "ground_truth", "data_source", "step", "validation", "error", "baseline_score", "token_policy_versions", "resumed_tokens")
     class RewardExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Trajectory(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BASELINE_SCORE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     uid: str
     group_uid: str
     task_uid: str
@@ -108,7 +109,22 @@ class Trajectory(_message.Message):
     error: _common_pb2.SampleError
     baseline_score: float
     token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ..., baseline_score: _Optional[float] = ..., token_policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, uid: _Optional[str] = ..., group_uid: _Optional[str] = ..., task_uid: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_log_probs: _Optional[_Iterable[float]] = ..., ref_log_probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., reward_extra: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., response_text: _Optional[str] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., step: _Optional[int] = ..., validation: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.SampleError, _Mapping]] = ..., baseline_score: _Optional[float] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+
+class PartialSample(_message.Message):
+    __slots__ = ("output_ids", "log_probs", "token_policy_versions", "finish_reason", "resumed_tokens")
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    log_probs: _containers.RepeatedScalarFieldContainer[float]
+    token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    resumed_tokens: int
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[_Iterable[float]] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class TrajectoryBatch(_message.Message):
     __slots__ = ("trajectories", "step")
