@@ -36,6 +36,7 @@ from tests.support.jobs import (
     pending,
     recovery_s,
     run_id_of,
+    saved_tokens,
     step_line,
     steps_started_after,
     stop_and_audit,
@@ -150,6 +151,55 @@ def test_a_run_goes_on_through_kill_9_of_every_process_but_the_learner(files, tm
         assert any(f"{name} exited with code {code}: restarting it" in line for line in job.lines), name
     log = next((tmp_path / "run" / "services").glob("*/logs/rollout-1.log")).read_text()
     assert "engine lost (its process exited with code -9" in log
+
+
+@pytest.mark.timeout(900)
+def test_a_replica_killed_mid_generation_is_resumed_elsewhere_from_its_saved_tokens(files, tmp_path):
+    """Partial rollouts: answers of 24 tokens generated 4 at a time, each chunk saved with its task;
+    ``kill -9`` of a replica holding saved tokens; the tasks it held are finished from them (the
+    learner's ``rollout/resumed_tokens``), and the audit holds."""
+    run_dir = tmp_path / "run"
+    job = Job.start(
+        [
+            "-c",
+            str(CPU_DEMO),
+            *overrides(files, run_dir, LONG_RUN_STEPS),
+            "actor_rollout_ref.rollout.response_length=24",
+            "rlmesh.sampler.partial_chunk_tokens=4",
+        ]
+    )
+    try:
+        job.wait_for(step_line(KILL_AT, LONG_RUN_STEPS), timeout_s=240)
+        redis_url, keys = job_redis_url(job, run_dir), RunKeys(run_id_of(job))
+        pid, backs = job.pid("rollout-0"), job.count(r"\] rollout-0 is back")
+        held = wait_for_work(
+            lambda: saved_tokens(redis_url, keys, "rollout-0"), "rollout-0 to hold saved tokens"
+        )
+        os.kill(pid, signal.SIGKILL)
+        at = time.time()
+
+        def resumed() -> float:  # the step in collection at the kill began before it: every step counts
+            return sum(row.get("rollout/resumed_tokens", 0) for row in steps_started_after(run_dir, 0))
+
+        wait_until(
+            lambda: resumed() > 0 and len(steps_started_after(run_dir, at)) >= 2,
+            RECOVERY_BOUND_S,
+            "a step with tokens resumed after the kill, and two steps begun after it",
+        )
+        rows = steps_started_after(run_dir, 0)
+        before = [r for r in rows if r["timing_start/step"] + r["timing_s/step"] < at]
+        assert before and not any(r.get("rollout/resumed_tokens") for r in before), "resumed before the kill"
+        job.wait_for_count(r"\] rollout-0 is back", backs + 1, timeout_s=RECOVERY_BOUND_S)
+        committed = stop_and_audit(job, files, run_dir)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+            job.proc.wait(timeout=60)
+    print(
+        f"\n[chaos] kill -9 rollout-0 (pid {pid}) holding {held:g} saved tokens: {resumed():g} tokens "
+        f"resumed instead of generated again; first step after it done {recovery_s(run_dir, at):.1f} s later"
+    )
+    assert committed > KILL_AT
 
 
 def learner_rank(job: Job, rank: int) -> int:

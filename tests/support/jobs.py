@@ -32,7 +32,10 @@ from rlmesh.config import load_config
 from rlmesh.data import PromptCursor, RLHFDataset, generate_arithmetic
 from rlmesh.learner.run.feeder import index_of
 from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
-from rlmesh.queue import RunKeys
+from rlmesh.queue import ROLLOUT_GROUP, RunKeys
+from rlmesh.queue.partials import PartialSample, PartialStore
+from rlmesh.queue.signing import unwrap
+from rlmesh.queue.streams import PAYLOAD
 from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.v1 import trajectory_pb2
 from tests.support.polling import wait_until
@@ -362,6 +365,24 @@ def pending(redis_url: str, stream: str, group: str, consumer: str | None = None
     if consumer is None:
         return int(summary["pending"])
     return sum(int(c["pending"]) for c in summary["consumers"] or [] if c["name"] == consumer)
+
+
+def saved_tokens(redis_url: str, keys: RunKeys, consumer: str) -> int:
+    """Tokens saved in Redis (partial rollouts) for the prompt tasks ``consumer`` holds: what a
+    ``kill -9`` of it would lose without them."""
+    tokens = 0
+    with redis_sync.Redis.from_url(redis_url) as client:
+        try:
+            rows = client.xpending_range(keys.prompts, ROLLOUT_GROUP, "-", "+", 1000, consumername=consumer)
+        except redis_sync.ResponseError:  # NOGROUP: nothing claimed yet
+            return 0
+        for row in rows:
+            for _, fields in client.xrange(keys.prompts, row["message_id"], row["message_id"]):
+                task = trajectory_pb2.PromptTask.FromString(fields[PAYLOAD])
+                for value in client.hvals(PartialStore(client, keys).key(task.uid)):
+                    payload = unwrap(None, "", value, "partial_sample")  # the signature, if any, cut off
+                    tokens += len(PartialSample.FromString(payload).output_ids)
+    return tokens
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

@@ -87,7 +87,7 @@ def step_metrics(
         **{f"training/dropped_{k}": float(v) for k, v in collected.counts.items()},
         **collected.rewards.metrics("reward"),
         **{f"training/{k}": float(v) for k, v in recovered.items()},
-        **rollout_timings(trajs),
+        **rollout_metrics(trajs),
     }
     metrics.update(timing_per_token_ms(metrics, response_tokens, tokens))
     if num_gen_batches is not None:  # verl's DAPO recipe's and its V1 trainer's names
@@ -101,7 +101,9 @@ def step_metrics(
     return metrics
 
 
-def rollout_timings(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]:
+def rollout_metrics(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]:
+    """Stage times of the batch's samples, and the tokens they took over from an interrupted
+    generation (partial rollouts: docs/reliability.md#partial-rollouts)."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -110,4 +112,5 @@ def rollout_timings(trajs: list[trajectory_pb2.Trajectory]) -> dict[str, float]:
         "rollout/reward_s/mean": sum(t.timings.reward_s for t in trajs) / n,
         "rollout/reference_s/mean": sum(t.timings.reference_s for t in trajs) / n,
         "rollout/queue_wait_s/mean": sum(t.timings.queue_wait_s for t in trajs) / n,
+        "rollout/resumed_tokens": float(sum(t.resumed_tokens for t in trajs)),
     }
