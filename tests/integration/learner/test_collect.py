@@ -90,6 +90,23 @@ async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_
     await redis.aclose()
 
 
+async def test_a_long_group_of_this_step_serves_the_next_and_a_later_steps_complete_group_this_one(
+    redis_url,
+):
+    """The long tail: a step does not wait for its own slowest group when groups the feeder enqueued
+    for a later step (max_staleness >= 1) are complete; the slow one is taken once it is."""
+    redis, keys, producer, learner, collector = await setup(redis_url, max_staleness=1)
+    slow, quick, ahead = group_uid(3, 1, 0), group_uid(3, 1, 1), group_uid(3, 2, 5)
+    await producer.put(group(slow, 2)[:1] + group(quick, 2) + group(ahead, 2))
+    batch = await collector.collect(2, version=1, timeout_s=30, requeue=no_requeue)
+    assert {t.group_uid for t in batch.trajectories} == {quick, ahead}
+    await collector.commit(batch)
+    await producer.put(group(slow, 2)[1:])
+    nxt = await collector.collect(1, version=2, timeout_s=30, requeue=no_requeue)
+    assert [t.uid for t in nxt.trajectories] == [f"{slow}/0", f"{slow}/1"]
+    await redis.aclose()
+
+
 async def test_samples_of_weights_the_learner_never_had_are_refused_and_their_groups_requeued(redis_url):
     # A learner resumed from the checkpoint of v4 after its predecessor had pushed v5..v7 pushes as
     # v8: samples of v5..v7 (an engine that missed the push) and of versions past its own are not
