@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-preflight bench-startup bench-checkpoint clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-async bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -195,6 +195,11 @@ $(TRL_VENV)/.installed: constraints.txt
 
 bench-peer: venv redis-server $(TRL_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
+
+# The long-tail task three ways (synchronous, max_staleness=1, partial + in-flight), three seeds, from one
+# SFT checkpoint (cached under runs/bench-async); ASYNC_ARGS='--seeds 0 --steps 20' for a shorter run.
+bench-async: venv redis-server
+	$(BIN)/python benchmarks/bench_async.py $(ASYNC_ARGS)
 
 # Each pre-flight mistake's `rlmesh config validate`, timed (under a minute).
 bench-preflight: venv

@@ -488,7 +488,7 @@ def prepare(workdir: Path, seed: int, sft_band: float, sft_max_epochs: int) -> P
     from transformers import GenerationConfig
 
     from rlmesh.data import RLHFDataset
-    from rlmesh.models import build_tiny_model, build_tokenizer, load_tokenizer
+    from rlmesh.models import build_tokenizer, load_tokenizer
 
     spec = {
         "seed": seed,
@@ -504,18 +504,7 @@ def prepare(workdir: Path, seed: int, sft_band: float, sft_max_epochs: int) -> P
     if not (base / "config.json").exists():
         say("building a 4.2M-parameter Llama (hidden 256, 4 layers, intermediate 1024) and a char tokenizer")
         tokenizer = build_tokenizer()
-        build_tiny_model(
-            base,
-            tokenizer,
-            arch="llama",
-            hidden_size=256,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=4,
-            intermediate_size=1024,
-            max_position_embeddings=64,
-            seed=seed,
-        )
+        build_llama_4m(base, tokenizer, seed, max_position_embeddings=64)
         # One stop token on both sides (TRL's stop_token takes one): eos, not also <|im_end|>.
         eos = tokenizer.eos_token_id
         GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(str(base))
@@ -577,6 +566,24 @@ def prepare(workdir: Path, seed: int, sft_band: float, sft_max_epochs: int) -> P
             f"test {sft_result['test_greedy']:.3f}"
         )
     return Prepared(sft, paths["train"], paths["dev"], paths["test"], sft_result)
+
+
+def build_llama_4m(path: Path, tokenizer: Any, seed: int, max_position_embeddings: int) -> Path:
+    """TRL's CPU PPO example's model: a 4.2M-parameter Llama (hidden 256, 4 layers, intermediate 1024)."""
+    from rlmesh.models import build_tiny_model
+
+    return build_tiny_model(
+        path,
+        tokenizer,
+        arch="llama",
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+    )
 
 
 def test_greedy_accuracy(model_dir: Path, test: Path) -> float:
@@ -687,8 +694,11 @@ def greedy_accuracy(model: Any, tokenizer: Any, items: Sequence[tuple[list[int],
 # ---------------------------------------------------------------------------------------- running
 
 
-def stream(argv: list[str], prefix: str, env: dict[str, str] | None = None) -> tuple[int, float]:
-    """Runs argv, printing its output line by line (with prefix); returns its exit code and wall time."""
+def stream(
+    argv: list[str], prefix: str, env: dict[str, str] | None = None, keep: list[str] | None = None
+) -> tuple[int, float]:
+    """Runs argv, printing its output line by line (with prefix, and appended to ``keep`` when
+    given: a thread may read them as they come); returns its exit code and wall time."""
     t0 = time.monotonic()
     with subprocess.Popen(
         argv,
@@ -701,6 +711,8 @@ def stream(argv: list[str], prefix: str, env: dict[str, str] | None = None) -> t
         assert p.stdout is not None
         for line in p.stdout:
             print(f"{prefix}{line}", end="", flush=True)
+            if keep is not None:
+                keep.append(line.rstrip("\n"))
     return p.returncode, time.monotonic() - t0
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlmesh.data.layout import verl_row, write_rows
+from rlmesh.data.layout import distinct_splits, verl_row, write_rows
 
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 ARITHMETIC_INSTRUCTION = 'Answer after "####".'
@@ -91,22 +91,13 @@ def make_arithmetic_rows(
         raise ValueError(f"asked for {total} distinct expressions but these knobs allow only {space}")
 
     rng = random.Random(seed)
-    seen: set[str] = set()
-    order: list[str] = []
-    attempts = 0
-    while len(order) < total:
-        attempts += 1
-        if attempts > 100 * total + 10_000:  # only when asking for nearly the whole space
-            raise ValueError(f"could not draw {total} distinct expressions out of {space}; widen the knobs")
-        expr = sample_expression(rng, min_terms, max_terms, max_operand, ops)
-        if expr not in seen:
-            seen.add(expr)
-            order.append(expr)
-    splits = {
-        "test": order[:val_size],
-        "dev": order[val_size : val_size + dev_size],
-        "train": order[val_size + dev_size :],
-    }
+    splits = distinct_splits(
+        lambda: sample_expression(rng, min_terms, max_terms, max_operand, ops),
+        train_size=train_size,
+        val_size=val_size,
+        dev_size=dev_size,
+        too_few=f"could not draw {total} distinct expressions out of {space}; widen the knobs",
+    )
     return {
         split: [arithmetic_row(e, split, i) for i, e in enumerate(exprs)]
         for split, exprs in splits.items()

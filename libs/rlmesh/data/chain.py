@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlmesh.data.layout import verl_row, write_rows
+from rlmesh.data.layout import distinct_splits, verl_row, write_rows
 
 CHAIN_DATA_SOURCE = "chain"
 CHAIN_INSTRUCTION = 'Write each running total, then the last after "####".'
@@ -71,26 +71,19 @@ def make_chain_rows(
     rng = random.Random(seed)
     weights = step_weights(max_steps, tail)
     deltas = [d for d in range(-max_delta, max_delta + 1) if d != 0]
-    total = train_size + val_size + dev_size
-    seen: set[tuple[int, ...]] = set()
-    order: list[tuple[int, ...]] = []
-    attempts = 0
-    while len(order) < total:
-        attempts += 1
-        if attempts > 100 * total + 10_000:  # only with knobs that allow few distinct chains
-            raise ValueError(
-                f"could not draw {total} distinct chains; raise max_steps, max_start or max_delta"
-            )
+
+    def draw() -> tuple[int, ...]:
         steps = rng.choices(range(1, max_steps + 1), weights)[0]
-        chain = (rng.randint(0, max_start), *(rng.choice(deltas) for _ in range(steps)))
-        if chain not in seen:
-            seen.add(chain)
-            order.append(chain)
-    splits = {
-        "test": order[:val_size],
-        "dev": order[val_size : val_size + dev_size],
-        "train": order[val_size + dev_size :],
-    }
+        return (rng.randint(0, max_start), *(rng.choice(deltas) for _ in range(steps)))
+
+    splits = distinct_splits(
+        draw,
+        train_size=train_size,
+        val_size=val_size,
+        dev_size=dev_size,
+        too_few=f"could not draw {train_size + val_size + dev_size} distinct chains; raise max_steps, "
+        "max_start or max_delta",
+    )
     return {
         split: [chain_row(c[0], c[1:], split, i) for i, c in enumerate(chains)]
         for split, chains in splits.items()

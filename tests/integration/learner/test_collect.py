@@ -95,7 +95,7 @@ async def test_a_long_group_of_this_step_serves_the_next_and_a_later_steps_compl
 ):
     """The long tail: a step does not wait for its own slowest group when groups the feeder enqueued
     for a later step (max_staleness >= 1) are complete; the slow one is taken once it is."""
-    redis, keys, producer, learner, collector = await setup(redis_url, max_staleness=1)
+    redis, _, producer, _, collector = await setup(redis_url, max_staleness=1)
     slow, quick, ahead = group_uid(3, 1, 0), group_uid(3, 1, 1), group_uid(3, 2, 5)
     await producer.put(group(slow, 2)[:1] + group(quick, 2) + group(ahead, 2))
     batch = await collector.collect(2, version=1, timeout_s=30, requeue=no_requeue)

@@ -1,0 +1,336 @@
+"""make bench-async: the long-tail task trained three ways from one SFT checkpoint, on several seeds.
+
+    python benchmarks/bench_async.py [--seeds 0,1,2] [--steps 40] [--modes sync,stale1,partial]
+
+The task is ``rlmesh data chain`` (running totals; answers of 8 to about 100 characters, the median
+16: most short, a few ten times longer), a 4.2M-parameter Llama (hidden 256, 4 layers) with the
+character tokenizer, warmed up by ``rlmesh sft`` on the whole chain until greedy accuracy on a dev
+split reaches ``--sft-band`` (cached under the workdir). Each seed then trains GRPO with
+``rlmesh train`` (the CPU demo's config, two replicas) in three modes:
+
+- ``sync``: ``rlmesh.max_staleness=0``: a step waits for its slowest group;
+- ``stale1``: ``rlmesh.max_staleness=1`` with token-level importance sampling: the next step's
+  prompts are generated while this one trains, a step takes the first complete groups;
+- ``partial``: ``stale1`` plus partial rollouts (``rlmesh.sampler.partial_chunk_tokens``) and
+  in-place weight updates (``rlmesh.weight_sync.pause_mode=in_place``).
+
+Printed per mode and seed: the training time (``benchmarks/bench_peer.py``'s boundaries: steps
+only, validation and start-up apart), final accuracy (mean of the last two evaluations, greedy,
+the test split), time to the synchronous run's final accuracy and its ratio to the synchronous
+run's, generated tokens per second of training time, and engine occupancy (sequences decoding,
+sampled from each engine's ``rlmesh_engine_running_sequences`` every ``--sample-every`` seconds:
+mean, and the share of samples with an engine idle). ``occupancy.png`` plots it over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks.bench_peer import as_cli, build_llama_4m, rlmesh_timeline, stream, time_to_accuracy  # noqa: E402
+
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"rlmesh.max_staleness": 0},
+    "stale1": {"rlmesh.max_staleness": 1, "algorithm.rollout_correction.rollout_is": "token"},
+    "partial": {
+        "rlmesh.max_staleness": 1,
+        "algorithm.rollout_correction.rollout_is": "token",
+        "rlmesh.sampler.partial_chunk_tokens": 16,
+        "rlmesh.weight_sync.pause_mode": "in_place",
+    },
+}
+# The target of issue 35: partial + in-flight reaches the synchronous run's final accuracy in at most
+# this share of its time, on every seed.
+PARTIAL_RATIO_TARGET = 0.6
+BATCH, N = 32, 4
+RESPONSE_LENGTH, PROMPT_LENGTH = 112, 192
+
+
+def say(msg: str) -> None:
+    print(f"[bench-async] {msg}", flush=True)
+
+
+def prepare(workdir: Path, sft_band: float, sft_max_epochs: int, data_seed: int = 0) -> dict[str, Any]:
+    """The task's Parquet files, the base model and its SFT checkpoint, cached by their inputs."""
+    from rlmesh.data import generate_chain, make_chain_rows, response_lengths
+    from rlmesh.models import build_tokenizer
+
+    spec = {"data_seed": data_seed, "band": sft_band, "max_epochs": sft_max_epochs, "max_steps": 24, "v": 1}
+    root = workdir / f"prepared-{uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(spec, sort_keys=True)).hex[:10]}"
+    data, base, sft = root / "data", root / "base-model", root / "sft-model"
+    knobs = {"train_size": 4000, "val_size": 128, "dev_size": 128, "max_steps": 24}
+    if not (data / "test.parquet").exists():
+        paths = generate_chain(data, data_seed, **knobs)
+        lengths = response_lengths(make_chain_rows(data_seed, **knobs)["train"])
+        say(f"the chain task in {data}: response characters {lengths}; {', '.join(map(str, paths))}")
+    if not (base / "config.json").exists():
+        say("building a 4.2M-parameter Llama (hidden 256, 4 layers) and a character tokenizer")
+        build_llama_4m(base, build_tokenizer(), data_seed, PROMPT_LENGTH + RESPONSE_LENGTH + 16)
+    marker = sft / "bench_async_sft.json"
+    if not marker.exists():
+        say(f"rlmesh sft on the whole chain until greedy dev accuracy reaches {sft_band:.0%}")
+        code, wall = stream(
+            [
+                sys.executable,
+                "-m",
+                "rlmesh.cli",
+                "sft",
+                f"--model={base}",
+                f"--data={data / 'train.parquet'}",
+                f"--out={sft}",
+                "--target-key=extra_info.solution",
+                f"--dev={data / 'dev.parquet'}",
+                "--eval-every=50",
+                f"--stop-at={sft_band}",
+                f"--max-new-tokens={RESPONSE_LENGTH}",
+                f"--epochs={sft_max_epochs}",
+                "--lr=1e-3",
+                "--batch-size=64",
+                f"--seed={data_seed}",
+            ],
+            "[sft] ",
+        )
+        if code != 0:
+            raise SystemExit(f"[bench-async] rlmesh sft failed (exit code {code})")
+        marker.write_text(json.dumps({"sft_s": round(wall, 1)}))
+    return {"data": data, "model": sft, "sft": json.loads(marker.read_text())}
+
+
+def overrides(prep: dict[str, Any], mode: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
+    data = prep["data"]
+    return {
+        "data.train_files": str(data / "train.parquet"),
+        "data.val_files": str(data / "test.parquet"),
+        "data.train_batch_size": BATCH,
+        "data.max_prompt_length": PROMPT_LENGTH,
+        "data.max_response_length": RESPONSE_LENGTH,
+        "data.seed": seed,
+        "actor_rollout_ref.model.path": str(prep["model"]),
+        "actor_rollout_ref.rollout.n": N,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": BATCH // 2,
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.use_kl_in_reward": False,
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": 5,
+        "trainer.val_before_train": True,
+        "trainer.save_freq": -1,
+        "trainer.default_local_dir": str(run_dir),
+        "trainer.logger": "[console]",
+        "rlmesh.log_format": "text",
+        **MODES[mode],
+    }
+
+
+class OccupancySampler(threading.Thread):
+    """Samples each engine's running sequences while a job runs: the engines are found in the run's
+    replica registry (Redis, from the job's printed address and its private password file)."""
+
+    def __init__(self, job_lines: list[str], run_dir: Path, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.lines, self.run_dir, self.every_s = job_lines, run_dir, every_s
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (unix time, replica -> sequences)
+        self.stop = threading.Event()
+
+    def engines(self) -> dict[str, str]:
+        import re
+
+        from tests.support.jobs import engine_url, private_redis_url
+
+        text = "\n".join(self.lines)
+        run = re.search(r"^\[train\] run (\S+): checkpoints", text, re.M)
+        redis = re.search(r"^\[train\] redis +(redis://\S+)", text, re.M)
+        if not (run and redis):
+            return {}
+        url = private_redis_url(self.run_dir / "services" / run[1], redis[1])
+        return {r: engine_url(url, run[1], r) for r in ("rollout-0", "rollout-1")}
+
+    def run(self) -> None:
+        from tests.support.jobs import metric_sum
+
+        urls: dict[str, str] = {}
+        while not self.stop.wait(self.every_s):
+            try:
+                urls = urls or self.engines()
+                row = {}
+                for replica, url in urls.items():
+                    with urllib.request.urlopen(f"{url}/metrics", timeout=2) as page:
+                        row[replica] = metric_sum(page.read().decode(), "rlmesh_engine_running_sequences")
+                if row:
+                    self.samples.append((time.time(), row))
+            except Exception:  # not up yet, or restarting: the next sample tries again
+                urls = {}
+
+
+def run_mode(
+    prep: dict[str, Any], mode: str, seed: int, args: argparse.Namespace, outdir: Path
+) -> dict[str, Any]:
+    from rlmesh.job.report import read_metrics
+
+    run_dir = outdir / f"{mode}-seed{seed}"
+    o = overrides(prep, mode, seed, args.steps, run_dir)
+    say(f"{mode}, seed {seed}: rlmesh train, {args.steps} steps, " + " ".join(as_cli(MODES[mode])))
+    lines: list[str] = []
+    sampler = OccupancySampler(lines, run_dir, args.sample_every)
+    sampler.start()
+    argv = [
+        sys.executable,
+        "-m",
+        "rlmesh.cli",
+        "train",
+        "-c",
+        str(REPO / "examples" / "cpu_demo.yaml"),
+        *as_cli(o),
+    ]
+    code, wall = stream(argv, f"[{mode}/{seed}] ", keep=lines)
+    sampler.stop.set()
+    sampler.join()
+    if code != 0:
+        raise SystemExit(f"[bench-async] {mode}, seed {seed} failed (exit code {code}); logs under {run_dir}")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    evals, step_s, eval_s = rlmesh_timeline(rows)
+    tokens = sum(r["response_length/mean"] * BATCH * N for r in rows if "response_length/mean" in r)
+    window = [
+        s for t, s in sampler.samples if rows and float(rows[0]["time"]) <= t <= float(rows[-1]["time"])
+    ]
+    per_engine = [v for s in window for v in s.values()]
+    return {
+        "evals": evals,
+        "train_s": sum(step_s),
+        "eval_s": eval_s,
+        "process_s": wall,
+        "tokens_per_s": tokens / max(sum(step_s), 1e-9),
+        "occupancy_mean": statistics.fmean(per_engine) if per_engine else None,
+        "idle_share": sum(v == 0 for v in per_engine) / len(per_engine) if per_engine else None,
+        "occupancy": sampler.samples,
+        "final_acc": statistics.fmean(e["acc"] for e in evals[-2:]) if evals else None,
+    }
+
+
+def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per seed and mode: time to that seed's synchronous final accuracy and its ratio to sync's."""
+    out: dict[str, Any] = {}
+    for seed, modes in results.items():
+        sync = modes.get("sync")
+        target = sync["final_acc"] if sync else None
+        base = time_to_accuracy(sync["evals"], target) if sync and target is not None else None
+        for mode, r in modes.items():
+            reached = time_to_accuracy(r["evals"], target) if target is not None else None
+            ratio = reached["train_s"] / base["train_s"] if reached and base and base["train_s"] else None
+            out.setdefault(seed, {})[mode] = {
+                "final_acc": r["final_acc"],
+                "train_s": r["train_s"],
+                "to_sync_final_s": reached and reached["train_s"],
+                "ratio_to_sync": ratio,
+                "tokens_per_s": r["tokens_per_s"],
+                "occupancy_mean": r["occupancy_mean"],
+                "idle_share": r["idle_share"],
+            }
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = [
+        "| seed | mode | final acc | train s | to sync's final, s | ratio | tokens/s | seqs decoding | engine idle |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for seed, modes in summary.items():
+        for mode, s in modes.items():
+            lines.append(
+                f"| {seed} | {mode} | {f(s['final_acc'], '.1%')} | {f(s['train_s'], '.0f')} | "
+                f"{f(s['to_sync_final_s'], '.0f')} | {f(s['ratio_to_sync'], '.2f')} | {f(s['tokens_per_s'], '.0f')} | "
+                f"{f(s['occupancy_mean'], '.1f')} | {f(s['idle_share'], '.0%')} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = next(iter(results))
+    modes = results[seed]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(9, 2.4 * len(modes)), sharex=True, squeeze=False)
+    for ax, (mode, r) in zip(axes[:, 0], modes.items(), strict=True):
+        samples = r["occupancy"]
+        if samples:
+            t0 = samples[0][0]
+            for replica in sorted({k for _, s in samples for k in s}):
+                ax.plot(
+                    [t - t0 for t, _ in samples],
+                    [s.get(replica, 0) for _, s in samples],
+                    lw=0.8,
+                    label=replica,
+                )
+        ax.set_ylabel(f"{mode}\nsequences")
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds since the job started")
+    fig.suptitle(f"engine occupancy, seed {seed} (rlmesh_engine_running_sequences)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps of every run")
+    p.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}, in order")
+    p.add_argument("--workdir", default="runs/bench-async")
+    p.add_argument(
+        "--sft-band", type=float, default=0.3, help="warm up until greedy dev accuracy reaches this"
+    )
+    p.add_argument("--sft-max-epochs", type=int, default=40)
+    p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in MODES]:
+        p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    workdir = REPO / args.workdir
+    t0 = time.monotonic()
+    prep = prepare(workdir, args.sft_band, args.sft_max_epochs)
+    outdir = workdir / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    outdir.mkdir(parents=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for seed in seeds:
+        for mode in modes:
+            results.setdefault(str(seed), {})[mode] = run_mode(prep, mode, seed, args, outdir)
+            summary = summarize(results)
+            record = {"args": vars(args), "sft": prep["sft"], "summary": summary, "results": results}
+            (outdir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    plot(results, outdir / "occupancy.png")
+    print()
+    print(f"  bench-async: {args.steps} GRPO steps of {BATCH} prompts x {N}, seeds {args.seeds}")
+    print()
+    print(table(summary))
+    ratios = [s["partial"]["ratio_to_sync"] for s in summary.values() if "partial" in s]
+    if ratios and "sync" in modes:
+        met = all(r is not None and r <= PARTIAL_RATIO_TARGET for r in ratios)
+        print(
+            f"\n  partial + in-flight to the synchronous final accuracy: "
+            f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of sync's time; "
+            f"target <= {PARTIAL_RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
+        )
+    print(
+        f"\n  everything took {time.monotonic() - t0:.0f} s; results: {outdir / 'results.json'}, plot: occupancy.png"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
