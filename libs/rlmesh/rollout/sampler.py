@@ -710,7 +710,11 @@ class SamplerLoop:
                 # No rid: SGLang derives one per sequence of a batch, and the retry of a batch is a new one.
                 out = await self.engine.generate(prompts, params, return_logprob=True)
             outs = out if isinstance(out, list) else [out]
-            aborted = [] if keep_aborted else [o for o in outs if _finish_type(o) == "abort"]
+            aborted = [o for o in outs if _finish_type(o) == "abort"]
+            # Kept, a call whose every output is an abort that generated nothing would be made again
+            # at once, forever: that one waits and retries like any engine failure.
+            if keep_aborted and any(o["output_ids"] for o in outs):
+                aborted = []
             if aborted:
                 # Cut short (aborted by an operator, or by an engine failure): never trained on.
                 raise EngineError(
@@ -755,13 +759,18 @@ class SamplerLoop:
         params = group[0][1]
         limit, n, chunk = params["max_new_tokens"], params["n"], self.settings.partial_chunk_tokens
         samples: dict[bytes, list[PartialSample]] = {}
-        for delivery, _ in group:
-            task = delivery.message
-            saved: dict[int, PartialSample] = {}
-            if delivery.deliveries > 1:  # taken over: an earlier holder may have saved samples
-                saved = await retry_redis_with_deadline(
-                    lambda uid=task.uid: self.partials.load(uid, limit), f"load samples of {task.uid}"
+        # Read on every delivery, not only a redelivery: a replica restarted under the same name
+        # reads its own pending tasks back, and Redis need not count that as a delivery.
+        saved_of = await asyncio.gather(
+            *(
+                retry_redis_with_deadline(
+                    lambda uid=d.message.uid: self.partials.load(uid, limit),
+                    f"load samples of {d.message.uid}",
                 )
+                for d, _ in group
+            )
+        )
+        for (delivery, _), saved in zip(group, saved_of, strict=True):
             samples[delivery.entry_id] = [resumed_from(saved.get(i)) for i in range(n)]
             kept = [len(s.output_ids) for s in samples[delivery.entry_id] if s.output_ids]
             self.metrics.resumed_samples.inc(len(kept))
@@ -824,6 +833,7 @@ class SamplerLoop:
                         f"save samples of {d.message.uid}",
                     )
                     for d in live
+                    if any(s.output_ids for s in samples[d.entry_id])
                 )
             )
         return [(d, [as_output(s) for s in samples[d.entry_id]]) for d in live]

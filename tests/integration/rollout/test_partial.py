@@ -160,7 +160,7 @@ async def test_a_saved_sample_the_runs_key_did_not_sign_is_generated_again(stack
     await prompts.put([task("t2")])
     await prompts.ensure_group()
     (held,) = await prompts.claim(1, block_ms=100)
-    await prompts.release([held.entry_id])  # the next claim is its second delivery: samples are read
+    await prompts.release([held.entry_id])  # given back by a replica that left, as after a kill
     before = UNTRUSTED.total("partial_sample")
     async with running(sampler(redis, keys, "replica-b", EngineClient(engine.url))) as loop:
         got = await asyncio.wait_for(trajectories(redis, keys, 2), 60)
