@@ -2,9 +2,9 @@
 
     python benchmarks/bench_async.py [--seeds 0,1,2] [--steps 40] [--modes sync,stale1,partial]
 
-The task is ``rlmesh data chain`` (running totals; answers of 8 to about 100 characters, the median
-16: most short, a few ten times longer), a 4.2M-parameter Llama (hidden 256, 4 layers) with the
-character tokenizer, warmed up by ``rlmesh sft`` on the whole chain until greedy accuracy on a dev
+The task is ``rlmesh data chain`` (running totals of up to 24 steps of +-1..3 from 0..9; answers
+of 8 to 88 characters, the median 21: most short, a few four times the median and eleven times the
+shortest), a 1.1M-parameter Llama (hidden 128, 4 layers) with the character tokenizer, warmed up by ``rlmesh sft`` on the whole chain until greedy accuracy on a dev
 split reaches ``--sft-band`` (cached under the workdir). Each seed then trains GRPO with
 ``rlmesh train`` (the CPU demo's config, two replicas) in three modes:
 
@@ -38,7 +38,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_peer import as_cli, build_llama_4m, rlmesh_timeline, stream, time_to_accuracy  # noqa: E402
+from benchmarks.bench_peer import as_cli, build_llama, rlmesh_timeline, stream, time_to_accuracy  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"rlmesh.max_staleness": 0},
@@ -54,7 +54,16 @@ MODES: dict[str, dict[str, Any]] = {
 # this share of its time, on every seed.
 PARTIAL_RATIO_TARGET = 0.6
 BATCH, N = 32, 4
-RESPONSE_LENGTH, PROMPT_LENGTH = 112, 192
+RESPONSE_LENGTH, PROMPT_LENGTH = 96, 192
+# The task: chains of up to 24 steps of +-1..3 from 0..9 (answers of 8 to 88 characters, median 21).
+CHAIN = {
+    "train_size": 4000,
+    "val_size": 128,
+    "dev_size": 128,
+    "max_steps": 24,
+    "max_delta": 3,
+    "max_start": 9,
+}
 
 
 def say(msg: str) -> None:
@@ -66,17 +75,16 @@ def prepare(workdir: Path, sft_band: float, sft_max_epochs: int, data_seed: int 
     from rlmesh.data import generate_chain, make_chain_rows, response_lengths
     from rlmesh.models import build_tokenizer
 
-    spec = {"data_seed": data_seed, "band": sft_band, "max_epochs": sft_max_epochs, "max_steps": 24, "v": 1}
+    spec = {"data_seed": data_seed, "band": sft_band, "max_epochs": sft_max_epochs, **CHAIN, "v": 2}
     root = workdir / f"prepared-{uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(spec, sort_keys=True)).hex[:10]}"
     data, base, sft = root / "data", root / "base-model", root / "sft-model"
-    knobs = {"train_size": 4000, "val_size": 128, "dev_size": 128, "max_steps": 24}
     if not (data / "test.parquet").exists():
-        paths = generate_chain(data, data_seed, **knobs)
-        lengths = response_lengths(make_chain_rows(data_seed, **knobs)["train"])
+        paths = generate_chain(data, data_seed, **CHAIN)
+        lengths = response_lengths(make_chain_rows(data_seed, **CHAIN)["train"])
         say(f"the chain task in {data}: response characters {lengths}; {', '.join(map(str, paths))}")
     if not (base / "config.json").exists():
-        say("building a 4.2M-parameter Llama (hidden 256, 4 layers) and a character tokenizer")
-        build_llama_4m(base, build_tokenizer(), data_seed, PROMPT_LENGTH + RESPONSE_LENGTH + 16)
+        say("building a 1.1M-parameter Llama (hidden 128, 4 layers) and a character tokenizer")
+        build_llama(base, build_tokenizer(), data_seed, PROMPT_LENGTH + RESPONSE_LENGTH + 16, hidden_size=128)
     marker = sft / "bench_async_sft.json"
     if not marker.exists():
         say(f"rlmesh sft on the whole chain until greedy dev accuracy reaches {sft_band:.0%}")
@@ -91,12 +99,12 @@ def prepare(workdir: Path, sft_band: float, sft_max_epochs: int, data_seed: int 
                 f"--out={sft}",
                 "--target-key=extra_info.solution",
                 f"--dev={data / 'dev.parquet'}",
-                "--eval-every=50",
+                "--eval-every=125",
                 f"--stop-at={sft_band}",
                 f"--max-new-tokens={RESPONSE_LENGTH}",
                 f"--epochs={sft_max_epochs}",
                 "--lr=1e-3",
-                "--batch-size=64",
+                "--batch-size=32",
                 f"--seed={data_seed}",
             ],
             "[sft] ",

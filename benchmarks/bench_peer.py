@@ -504,7 +504,7 @@ def prepare(workdir: Path, seed: int, sft_band: float, sft_max_epochs: int) -> P
     if not (base / "config.json").exists():
         say("building a 4.2M-parameter Llama (hidden 256, 4 layers, intermediate 1024) and a char tokenizer")
         tokenizer = build_tokenizer()
-        build_llama_4m(base, tokenizer, seed, max_position_embeddings=64)
+        build_llama(base, tokenizer, seed, max_position_embeddings=64)
         # One stop token on both sides (TRL's stop_token takes one): eos, not also <|im_end|>.
         eos = tokenizer.eos_token_id
         GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(str(base))
@@ -568,19 +568,22 @@ def prepare(workdir: Path, seed: int, sft_band: float, sft_max_epochs: int) -> P
     return Prepared(sft, paths["train"], paths["dev"], paths["test"], sft_result)
 
 
-def build_llama_4m(path: Path, tokenizer: Any, seed: int, max_position_embeddings: int) -> Path:
-    """TRL's CPU PPO example's model: a 4.2M-parameter Llama (hidden 256, 4 layers, intermediate 1024)."""
+def build_llama(
+    path: Path, tokenizer: Any, seed: int, max_position_embeddings: int, hidden_size: int = 256
+) -> Path:
+    """A 4-layer Llama, 4 heads, intermediate 4x hidden; at hidden 256 TRL's CPU PPO example's model
+    (4.2M parameters)."""
     from rlmesh.models import build_tiny_model
 
     return build_tiny_model(
         path,
         tokenizer,
         arch="llama",
-        hidden_size=256,
+        hidden_size=hidden_size,
         num_layers=4,
         num_heads=4,
         num_kv_heads=4,
-        intermediate_size=1024,
+        intermediate_size=4 * hidden_size,
         max_position_embeddings=max_position_embeddings,
         seed=seed,
     )

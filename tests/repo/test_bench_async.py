@@ -9,7 +9,7 @@ from rlmesh.config import load_config
 from tests.support.repo import CPU_DEMO, REPO
 
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_async import MODES, overrides, summarize
+from benchmarks.bench_async import MODES, RESPONSE_LENGTH, overrides, summarize
 from benchmarks.bench_peer import as_cli
 
 
@@ -36,7 +36,7 @@ def test_the_modes_differ_only_in_staleness_partial_rollouts_and_the_pause(prep,
     )
     assert partial.rlmesh.weight_sync.pause_mode == "in_place"
     for cfg in (sync, stale1, partial):  # the task and the learner the same
-        assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == 112
+        assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == RESPONSE_LENGTH
         assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 32
     assert set(MODES) == {"sync", "stale1", "partial"}
 
