@@ -32,6 +32,8 @@ def partial_problem(sample: PartialSample, max_new_tokens: int) -> str | None:
         )
     if n > max_new_tokens:
         return f"{n} output ids, more than max_new_tokens={max_new_tokens}"
+    if n == max_new_tokens and not sample.finish_reason:
+        return f"{n} output ids, max_new_tokens={max_new_tokens}, and no finish reason"
     if any(not math.isfinite(lp) or lp > 1e-4 for lp in sample.log_probs):
         return "a log-prob is not finite or above 0"
     if any(v < 0 for v in sample.token_policy_versions) or any(t < 0 for t in sample.output_ids):

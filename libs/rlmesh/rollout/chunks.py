@@ -65,13 +65,14 @@ def extend(sample: PartialSample, output: dict[str, Any], versions: list[int], m
         sample.finish_reason = "length"
 
 
-def resumed_from(saved: PartialSample | None) -> PartialSample:
-    """A sample to go on with: ``saved`` (what an earlier replica generated: counted as resumed), or
-    a new one."""
+def resumed_from(saved: PartialSample | None, taken_over: bool = True) -> PartialSample:
+    """A sample to go on with: ``saved``, or a new one. ``taken_over``: another process generated
+    ``saved``, whose tokens all count as resumed then; else it keeps its own count."""
     sample = PartialSample()
     if saved is not None:
         sample.CopyFrom(saved)
-        sample.resumed_tokens = len(saved.output_ids)
+        if taken_over:
+            sample.resumed_tokens = len(saved.output_ids)
     return sample
 
 

@@ -271,6 +271,8 @@ class SamplerLoop:
         self._stop = asyncio.Event()
         self._in_flight: dict[bytes, asyncio.Task[None]] = {}
         self._unchunked_logged: set[str] = set()
+        self._request_ids = itertools.count(1)
+        self._saved_here: set[str] = set()  # tasks whose samples this process saved (not resumed)
 
     # ----- control -----
     async def pause(self) -> None:
@@ -461,6 +463,7 @@ class SamplerLoop:
         """Forgets the saved samples of tasks that are done with; left behind (Redis unreachable),
         they expire."""
         if self.partials is not None:
+            self._saved_here.difference_update(task_uids)
             with contextlib.suppress(*TRANSIENT_ERRORS):
                 await self.partials.drop(task_uids)
 
@@ -724,12 +727,11 @@ class SamplerLoop:
                 )
             return outs
 
-        # A fresh request id per attempt: the engine refuses one that is still running, and a retry
-        # must not wait on (or be confused with) the request it replaces.
-        attempts = itertools.count(1)
-
+        # A fresh request id per attempt, unique in this process: the engine refuses one that is
+        # still running, and a retry must not wait on (or be confused with) the request it
+        # replaces, nor one chunk's call on another's.
         def rid() -> str:
-            return f"{rid_base}#{next(attempts)}"
+            return f"{rid_base}#{next(self._request_ids)}"
 
         return await self._call(generate, None, self.engine_breaker, "engine")
 
@@ -751,70 +753,20 @@ class SamplerLoop:
         group: list[tuple[Delivery[trajectory_pb2.PromptTask], dict[str, Any]]],
         pending: dict[bytes, Delivery[trajectory_pb2.PromptTask]],
     ) -> list[tuple[Delivery[trajectory_pb2.PromptTask], list[dict[str, Any]]]]:
-        """``_generate_group`` in chunks: a task taken over starts from the samples saved with it;
-        each round asks the engine for the next chunk of every sample not complete (a task not
-        started in one call with its ``n``, prompt + tokens so far for the others), adds it, and
-        saves every sample of the tasks it touched. An abort keeps what it generated."""
-        assert self.partials is not None
+        """``_generate_group`` in chunks: each task starts from the samples saved with it (a task
+        taken over goes on from where its earlier holder was); each round asks the engine for the
+        next chunk of every sample not complete, adds it, and saves the samples of the tasks that
+        have any. An abort keeps what it generated."""
         params = group[0][1]
-        limit, n, chunk = params["max_new_tokens"], params["n"], self.settings.partial_chunk_tokens
-        samples: dict[bytes, list[PartialSample]] = {}
-        # Read on every delivery, not only a redelivery: a replica restarted under the same name
-        # reads its own pending tasks back, and Redis need not count that as a delivery.
-        saved_of = await asyncio.gather(
-            *(
-                retry_redis_with_deadline(
-                    lambda uid=d.message.uid: self.partials.load(uid, limit),
-                    f"load samples of {d.message.uid}",
-                )
-                for d, _ in group
-            )
-        )
-        for (delivery, _), saved in zip(group, saved_of, strict=True):
-            samples[delivery.entry_id] = [resumed_from(saved.get(i)) for i in range(n)]
-            kept = [len(s.output_ids) for s in samples[delivery.entry_id] if s.output_ids]
-            self.metrics.resumed_samples.inc(len(kept))
-            self.metrics.resumed_tokens.inc(sum(kept))
-        live = [d for d, _ in group if d.entry_id in pending]
+        limit, n = params["max_new_tokens"], params["n"]
+        samples = await self._load_partials([d for d, _ in group], limit, n)
         while True:
-            fresh = [d for d in live if not any(s.output_ids or s.finish_reason for s in samples[d.entry_id])]
-            going = [
-                (d, s) for d in live if d not in fresh for s in samples[d.entry_id] if not s.finish_reason
-            ]
-            if not fresh and not going:
-                break
+            live = [d for d, _ in group if d.entry_id in pending]  # one may be dead-lettered meanwhile
+            calls = self._chunk_calls(live, samples, params)
+            if not calls:
+                return [(d, [as_output(s) for s in samples[d.entry_id]]) for d in live]
             version_before = await self._engine_version()
-            calls: list[tuple[list[PartialSample], Awaitable[list[dict[str, Any]]]]] = []
-            if fresh:
-                tasks = [d.message for d in fresh]
-                first = {**chunk_params(params, PartialSample(), chunk), "n": n}
-                calls.append(
-                    (
-                        [s for d in fresh for s in samples[d.entry_id]],  # prompt-major, as SGLang answers
-                        self._generate(
-                            [list(t.prompt_ids) for t in tasks], first, _name(tasks, ""), keep_aborted=True
-                        ),
-                    )
-                )
-            by_params: dict[str, list[tuple[Delivery[trajectory_pb2.PromptTask], PartialSample]]] = {}
-            for d, s in going:
-                by_params.setdefault(json.dumps(chunk_params(params, s, chunk), sort_keys=True), []).append(
-                    (d, s)
-                )
-            for key, items in by_params.items():
-                tasks = [d.message for d, _ in items]
-                calls.append(
-                    (
-                        [s for _, s in items],
-                        self._generate(
-                            [[*d.message.prompt_ids, *s.output_ids] for d, s in items],
-                            json.loads(key),
-                            _name(tasks, "/more"),
-                            keep_aborted=True,
-                        ),
-                    )
-                )
-            answers = await asyncio.gather(*(call for _, call in calls))
+            answers = await _gather_or_cancel([call for _, call in calls])
             for (targets, _), outs in zip(calls, answers, strict=True):
                 if len(outs) != len(targets):
                     raise EngineError(
@@ -828,15 +780,98 @@ class SamplerLoop:
                     extend(sample, out, versions, limit)
             await asyncio.gather(
                 *(
-                    retry_redis_with_deadline(
-                        lambda d=d: self.partials.save(d.message.uid, dict(enumerate(samples[d.entry_id]))),
-                        f"save samples of {d.message.uid}",
-                    )
+                    self._save_partials(d.message.uid, samples[d.entry_id])
                     for d in live
-                    if any(s.output_ids for s in samples[d.entry_id])
+                    if samples[d.entry_id]
                 )
             )
-        return [(d, [as_output(s) for s in samples[d.entry_id]]) for d in live]
+
+    async def _load_partials(
+        self, deliveries: list[Delivery[trajectory_pb2.PromptTask]], limit: int, n: int
+    ) -> dict[bytes, list[PartialSample]]:
+        """Each task's ``n`` samples to go on with: what is saved for it (read on every delivery: a
+        replica restarted under its old name reads its pending tasks back, and Redis need not count
+        that as a delivery), else new ones. Saved by another process, they count as resumed.
+        Redis unreachable: generated from the start."""
+        assert self.partials is not None
+        partials = self.partials
+
+        async def load(uid: str) -> dict[int, PartialSample]:
+            try:
+                return await partials.load(uid, limit)
+            except TRANSIENT_ERRORS as e:
+                log.warning("saved samples of %s unreadable (%s); generating them from the start", uid, e)
+                return {}
+
+        saved_of = await asyncio.gather(*(load(d.message.uid) for d in deliveries))
+        out = {}
+        for delivery, saved in zip(deliveries, saved_of, strict=True):
+            taken_over = delivery.message.uid not in self._saved_here
+            out[delivery.entry_id] = [resumed_from(saved.get(i), taken_over) for i in range(n)]
+            if taken_over:
+                kept = [len(s.output_ids) for s in out[delivery.entry_id] if s.output_ids]
+                self.metrics.resumed_samples.inc(len(kept))
+                self.metrics.resumed_tokens.inc(sum(kept))
+        return out
+
+    def _chunk_calls(
+        self,
+        live: list[Delivery[trajectory_pb2.PromptTask]],
+        samples: dict[bytes, list[PartialSample]],
+        params: dict[str, Any],
+    ) -> list[tuple[list[PartialSample], Awaitable[list[dict[str, Any]]]]]:
+        """The engine calls of one round, each with the samples its outputs extend, in order: the
+        tasks not started in one call with their ``n`` (prompt-major, as SGLang answers), the other
+        samples not complete as prompt + tokens so far, one call per chunk's params."""
+        chunk = self.settings.partial_chunk_tokens
+        calls: list[tuple[list[PartialSample], Awaitable[list[dict[str, Any]]]]] = []
+        fresh = [d for d in live if not any(s.output_ids or s.finish_reason for s in samples[d.entry_id])]
+        if fresh:
+            tasks = [d.message for d in fresh]
+            first = {**chunk_params(params, PartialSample(), chunk), "n": params["n"]}
+            calls.append(
+                (
+                    [s for d in fresh for s in samples[d.entry_id]],
+                    self._generate(
+                        [list(t.prompt_ids) for t in tasks], first, _name(tasks, ""), keep_aborted=True
+                    ),
+                )
+            )
+        by_params: dict[str, list[tuple[Delivery[trajectory_pb2.PromptTask], PartialSample]]] = {}
+        for d in live:
+            if d in fresh:
+                continue
+            for s in samples[d.entry_id]:
+                if not s.finish_reason:
+                    by_params.setdefault(
+                        json.dumps(chunk_params(params, s, chunk), sort_keys=True), []
+                    ).append((d, s))
+        for key, items in by_params.items():
+            tasks = [d.message for d, _ in items]
+            calls.append(
+                (
+                    [s for _, s in items],
+                    self._generate(
+                        [[*d.message.prompt_ids, *s.output_ids] for d, s in items],
+                        json.loads(key),
+                        _name(tasks, "/more"),
+                        keep_aborted=True,
+                    ),
+                )
+            )
+        return calls
+
+    async def _save_partials(self, task_uid: str, samples: list[PartialSample]) -> None:
+        """Saves a task's samples if any has tokens; Redis unreachable: they go unsaved this round
+        (only a takeover loses by it), and generation goes on."""
+        assert self.partials is not None
+        if not any(s.output_ids for s in samples):
+            return
+        try:
+            await self.partials.save(task_uid, dict(enumerate(samples)))
+            self._saved_here.add(task_uid)
+        except TRANSIENT_ERRORS as e:
+            log.warning("samples of %s not saved (%s); generation goes on", task_uid, e)
 
     async def _scores(
         self,
@@ -921,6 +956,19 @@ def set_baseline(trajs: Sequence[Traj], result: reward_pb2.RewardResult) -> None
                 traj.error.message = f"greedy baseline: {result.error.message}"
         else:
             traj.baseline_score = result.score
+
+
+async def _gather_or_cancel(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """``asyncio.gather``, but the first failure cancels the calls still running: a retry must not
+    race requests of the attempt it replaces."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _name(tasks: Sequence[trajectory_pb2.PromptTask], label: str) -> tuple[str, str]:

@@ -167,3 +167,23 @@ async def test_a_saved_sample_the_runs_key_did_not_sign_is_generated_again(stack
     assert UNTRUSTED.total("partial_sample") - before == 2
     assert [t.resumed_tokens for t in got] == [0, 0] and loop.metrics.resumed_tokens._value.get() == 0
     assert all(len(t.response_ids) == LIMIT for t in got)
+
+
+async def test_samples_of_one_task_resumed_at_different_lengths_go_on_in_calls_of_their_own(stack):
+    """Two samples saved at 10 and 2 tokens (limit 12, chunks of 4) need calls of 2 and 4 tokens: two
+    requests for one task at once, each with its own request id (one id twice is refused)."""
+    redis_server, engine = stack
+    redis, keys = connect(redis_server.url), RunKeys.signed(f"u-{uuid.uuid4().hex[:6]}", "the-runs-token")
+    saved = {
+        i: PartialSample(output_ids=[7] * k, log_probs=[-0.5] * k, token_policy_versions=[0] * k)
+        for i, k in ((0, 10), (1, 2))
+    }
+    await PartialStore(redis, keys).save("t3", saved)
+    prompts = prompt_queue(redis, keys, "learner")
+    await prompts.put([task("t3")])
+    async with running(sampler(redis, keys, "replica-b", EngineClient(engine.url), chunk=4)) as loop:
+        got = await asyncio.wait_for(trajectories(redis, keys, 2), 60)
+    assert [len(t.response_ids) for t in got] == [LIMIT, LIMIT]
+    assert [list(t.response_ids[:k]) for t, k in zip(got, (10, 2), strict=True)] == [[7] * 10, [7] * 2]
+    assert [t.resumed_tokens for t in got] == [10, 2] and loop.metrics.resumed_tokens._value.get() == 12
+    assert await prompts.dead_letters() == []

@@ -95,6 +95,14 @@ def test_a_chunk_that_cannot_be_added_is_an_engine_error(output, versions, messa
     assert list(sample.output_ids) == [1]  # nothing of it added
 
 
+def test_a_sample_saved_by_this_process_keeps_its_own_resumed_count():
+    saved = PartialSample(
+        output_ids=[4, 5], log_probs=[-1.0, -1.0], token_policy_versions=[0, 0], resumed_tokens=1
+    )
+    assert resumed_from(saved, taken_over=False).resumed_tokens == 1
+    assert resumed_from(saved, taken_over=True).resumed_tokens == 2
+
+
 def test_a_complete_sample_reads_as_one_sglang_answer():
     saved = PartialSample(
         output_ids=[4, 5, 6],
@@ -120,6 +128,16 @@ def test_a_complete_sample_reads_as_one_sglang_answer():
         (
             PartialSample(output_ids=[1] * 9, log_probs=[-1.0] * 9, token_policy_versions=[0] * 9),
             "more than max",
+        ),
+        (PartialSample(output_ids=[1] * 8, log_probs=[-1.0] * 8, token_policy_versions=[0] * 8), "no finish"),
+        (
+            PartialSample(
+                output_ids=[1] * 8,
+                log_probs=[-1.0] * 8,
+                token_policy_versions=[0] * 8,
+                finish_reason="length",
+            ),
+            None,
         ),
         (PartialSample(output_ids=[1], log_probs=[float("nan")], token_policy_versions=[0]), "not finite"),
         (PartialSample(output_ids=[1], log_probs=[0.5], token_policy_versions=[0]), "above 0"),
