@@ -115,7 +115,9 @@ def prepare(workdir: Path, sft_band: float, sft_max_epochs: int, data_seed: int 
     return {"data": data, "model": sft, "sft": json.loads(marker.read_text())}
 
 
-def overrides(prep: dict[str, Any], mode: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
+def overrides(
+    prep: dict[str, Any], mode: str, seed: int, steps: int, run_dir: Path, lr: float = 1e-5
+) -> dict[str, Any]:
     data = prep["data"]
     return {
         "data.train_files": str(data / "train.parquet"),
@@ -127,6 +129,7 @@ def overrides(prep: dict[str, Any], mode: str, seed: int, steps: int, run_dir: P
         "actor_rollout_ref.model.path": str(prep["model"]),
         "actor_rollout_ref.rollout.n": N,
         "actor_rollout_ref.actor.ppo_mini_batch_size": BATCH // 2,
+        "actor_rollout_ref.actor.optim.lr": lr,
         "algorithm.adv_estimator": "grpo",
         "algorithm.use_kl_in_reward": False,
         "trainer.total_training_steps": steps,
@@ -186,7 +189,7 @@ def run_mode(
     from rlmesh.job.report import read_metrics
 
     run_dir = outdir / f"{mode}-seed{seed}"
-    o = overrides(prep, mode, seed, args.steps, run_dir)
+    o = overrides(prep, mode, seed, args.steps, run_dir, args.lr)
     say(f"{mode}, seed {seed}: rlmesh train, {args.steps} steps, " + " ".join(as_cli(MODES[mode])))
     lines: list[str] = []
     sampler = OccupancySampler(lines, run_dir, args.sample_every)
@@ -298,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
     p.add_argument("--steps", type=int, default=40, help="GRPO steps of every run")
     p.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}, in order")
+    p.add_argument("--lr", type=float, default=1e-5, help="the actor's learning rate (cosine to a tenth)")
     p.add_argument("--workdir", default="runs/bench-async")
     p.add_argument(
         "--sft-band", type=float, default=0.3, help="warm up until greedy dev accuracy reaches this"
