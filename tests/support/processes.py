@@ -1,11 +1,15 @@
 """Child processes of the tests: their environment, the programs in ``tests/support/programs``,
-and whether a pid is still alive."""
+whether a pid is still alive, and a parent killed with its children."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.polling import wait_until
 
 PROGRAMS = "tests.support.programs"
 
@@ -28,3 +32,17 @@ def pid_alive(pid: int) -> bool:
         return False
     state = stat.rsplit(")", 1)[1].split()[0]
     return state not in ("Z", "X")
+
+
+def kill_and_wait_for_children(parent: subprocess.Popen[str], children: dict[str, int], why: str) -> None:
+    """``kill -9`` of ``parent`` (no cleanup code of its runs), then waits until each of
+    ``children`` (name -> pid) has exited too; ``why``: what takes them down, for the failure."""
+    try:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        for name, pid in children.items():
+            wait_until(lambda pid=pid: not pid_alive(pid), 60, f"{name} (pid {pid}) to exit {why}")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

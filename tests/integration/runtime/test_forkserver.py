@@ -15,7 +15,7 @@ from rlmesh.runtime.forkserver import SOCKET_ENV, ForkedChild
 from rlmesh.runtime.health import grpc_health
 from rlmesh.runtime.launcher import ProcessLauncher, start_fork_server
 from tests.support.polling import wait_until
-from tests.support.processes import child_env, pid_alive, program
+from tests.support.processes import child_env, kill_and_wait_for_children, pid_alive, program
 from tests.support.repo import REPO
 
 FREE_REWARD_PORTS = ["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
@@ -95,20 +95,9 @@ def test_a_sigkilled_launcher_takes_its_forked_children_with_it(forkserver, tmp_
         stdout=subprocess.PIPE,
         text=True,
     )
-    try:
-        pids = json.loads(proc.stdout.readline())
-        reward = pids["reward"]
-        assert forkserver.children()[reward] == proc.pid  # forked for it, not exec'd
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        for name, pid in pids.items():
-            wait_until(
-                lambda pid=pid: not pid_alive(pid), 60, f"{name} (pid {pid}) to exit with its launcher"
-            )
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    pids = json.loads(proc.stdout.readline())
+    assert forkserver.children()[pids["reward"]] == proc.pid  # forked for it, not exec'd
+    kill_and_wait_for_children(proc, pids, "with its launcher")
 
 
 def test_children_stop_with_the_server_and_say_so(tmp_path):

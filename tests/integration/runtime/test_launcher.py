@@ -12,7 +12,7 @@ import pytest
 from rlmesh.runtime.health import grpc_health, redis_ping
 from rlmesh.runtime.launcher import LaunchError, ProcessLauncher, ServiceRequest
 from tests.support.polling import wait_until
-from tests.support.processes import child_env, pid_alive, program
+from tests.support.processes import child_env, kill_and_wait_for_children, pid_alive, program
 from tests.support.repo import REPO
 
 FREE_REWARD_PORTS = ["rlmesh.reward.port=0", "rlmesh.reward.metrics_port=0"]
@@ -64,21 +64,11 @@ def test_sigkilled_launcher_leaves_no_orphan(tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
-    try:
-        line = proc.stdout.readline()
-        assert line, "the launcher process printed nothing"
-        pids = json.loads(line)
-        assert all(pid_alive(p) for p in pids.values())
-        os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
-        proc.wait(timeout=30)
-        for name, pid in pids.items():
-            wait_until(
-                lambda pid=pid: not pid_alive(pid), 60, f"{name} (pid {pid}) to exit after its parent died"
-            )
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    line = proc.stdout.readline()
+    assert line, "the launcher process printed nothing"
+    pids = json.loads(line)
+    assert all(pid_alive(p) for p in pids.values())
+    kill_and_wait_for_children(proc, pids, "after its parent died")
 
 
 def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path):
