@@ -11,13 +11,14 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-async bench-preflight bench-startup bench-checkpoint clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
 	@echo "make test    run the test suite (CI runs it, then make chaos: .ci/run)"
 	@echo "make lint    ruff;  make protos  regenerate gRPC code;  make bench  benchmarks"
 	@echo "make bench-peer  TRL 1.12's PPO and rlmesh on one task (PEER_ARGS='--steps 100 --seed 0')"
+	@echo "make bench-peer-grpo  TRL's GRPOTrainer and rlmesh's GRPO on the long-tail task"
 
 # torch goes in first and alone, pinned, so nothing afterwards can pull a CUDA build;
 # every later install is constrained to the same version.
@@ -196,6 +197,21 @@ $(TRL_VENV)/.installed: constraints.txt
 bench-peer: venv redis-server $(TRL_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
 
+# TRL's GRPOTrainer (its current release, 1.16.0) in a venv of its own, then rlmesh's GRPO, on the
+# long-tail task from bench-async's SFT checkpoint, three seeds (about 40 minutes on 2 cores).
+# Options: PEER_GRPO_ARGS='--seeds 0 --steps 20 --runs trl,sync,partial' (python benchmarks/bench_peer_grpo.py -h).
+TRL_GRPO_VENV := .venv-trl-grpo
+$(TRL_GRPO_VENV)/.installed: constraints.txt
+	@test -x $(TRL_GRPO_VENV)/bin/python || $(PYTHON) -m venv $(TRL_GRPO_VENV)
+	$(TRL_GRPO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_GRPO_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_GRPO_VENV)/bin/python -m pip install -q -c constraints.txt trl==1.16.0
+	@$(TRL_GRPO_VENV)/bin/python -c "import torch, trl; assert torch.__version__.startswith('2.13.0') and trl.__version__ == '1.16.0', (torch.__version__, trl.__version__)"
+	@touch $@
+
+bench-peer-grpo: venv redis-server $(TRL_GRPO_VENV)/.installed
+	$(BIN)/python benchmarks/bench_peer_grpo.py $(PEER_GRPO_ARGS)
+
 # The long-tail task three ways (synchronous, max_staleness=1, partial + in-flight), three seeds, from one
 # SFT checkpoint (cached under runs/bench-async); ASYNC_ARGS='--seeds 0 --steps 20' for a shorter run.
 bench-async: venv redis-server
@@ -216,4 +232,4 @@ bench-checkpoint: venv redis-server
 bench-all: bench-queue bench-rollout bench-score bench-learner bench-algo bench
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TRL_VENV) $(TRL_GRPO_VENV) .pytest_cache .ruff_cache .hypothesis

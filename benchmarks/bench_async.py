@@ -54,6 +54,7 @@ MODES: dict[str, dict[str, Any]] = {
 # this share of its time, on every seed.
 PARTIAL_RATIO_TARGET = 0.6
 BATCH, N = 32, 4
+MINI_BATCH = BATCH // 2  # prompts per optimizer step: two a step
 RESPONSE_LENGTH, PROMPT_LENGTH = 96, 192
 # The task: chains of up to 24 steps of +-1..3 from 0..9 (answers of 8 to 88 characters, median 21).
 CHAIN = {
@@ -128,7 +129,7 @@ def overrides(
         "data.seed": seed,
         "actor_rollout_ref.model.path": str(prep["model"]),
         "actor_rollout_ref.rollout.n": N,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": BATCH // 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": MINI_BATCH,
         "actor_rollout_ref.actor.optim.lr": lr,
         "algorithm.adv_estimator": "grpo",
         "algorithm.use_kl_in_reward": False,

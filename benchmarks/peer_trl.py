@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # "trl.experimental is unstable"
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames gradient_checkpointing
 
-import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from torch import nn  # noqa: E402
@@ -35,7 +34,6 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
-    TrainerCallback,
 )
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -43,29 +41,7 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_reward import score_answer  # noqa: E402  (the rule rlmesh scores with too)
-
-# TRL treats every pad id as padding and finds a response's end at its first pad, so pad must not
-# be eos (rlmesh's char tokenizer pads with eos); <|unk|> is a special token the SFT never emits.
-TRL_PAD_TOKEN = "<|unk|>"
-
-
-def say(msg: str) -> None:
-    print(f"[trl] {msg}", flush=True)
-
-
-def load_task(path: str) -> list[tuple[str, str]]:
-    """(prompt, ground truth) per row of a verl-layout Parquet file with raw-string prompts."""
-    table = pq.read_table(path, columns=["prompt", "reward_model"]).to_pylist()
-    return [(row["prompt"], str(row["reward_model"]["ground_truth"])) for row in table]
-
-
-def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
-    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    tok.pad_token = TRL_PAD_TOKEN
-    tok.padding_side = "left"  # TRL: response = query_response[:, padded query width:]
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        raise SystemExit(f"the tokenizer in {model_dir} has no {TRL_PAD_TOKEN} distinct from eos")
-    return tok
+from peer_trl_common import Recorder, load_task, load_tokenizer, say  # noqa: E402
 
 
 class _RuleScorer(nn.Module):
@@ -93,101 +69,6 @@ class RuleReward(nn.Module):
         super().__init__()
         self.backbone = _RuleScorer(tok, answers)
         self.score = nn.Identity()
-
-
-@torch.no_grad()
-def accuracy(
-    policy: LlamaForCausalLM,
-    tok: PreTrainedTokenizerFast,
-    task: list[tuple[str, str]],
-    max_new_tokens: int,
-    *,
-    samples: int = 0,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> float:
-    """Mean score of the answers to every test prompt (at most max_new_tokens, stopping at eos):
-    greedy ones (samples = 0), or ``samples`` sampled ones per prompt at ``temperature`` over the
-    whole vocabulary, as rlmesh's validation with ``val_kwargs.n`` does. The sampling runs on its
-    own seeded RNG: training's random stream is left as it was."""
-    was_training = policy.training
-    policy.eval()
-    rows = [row for row in task for _ in range(max(samples, 1))]
-    correct = 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for i in range(0, len(rows), 512):
-            chunk = rows[i : i + 512]
-            enc = tok([p for p, _ in chunk], return_tensors="pt", padding=True)
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            out = policy.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-                **(sampling if samples else {"do_sample": False}),
-            )
-            texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            correct += sum(score_answer(t, gt) for t, (_, gt) in zip(texts, chunk, strict=True))
-    policy.train(was_training)
-    return correct / len(rows)
-
-
-class Recorder(TrainerCallback):
-    """Per-step training time, the step's logged metrics, and greedy accuracy every ``eval_every``
-    steps, the evaluation timed apart."""
-
-    def __init__(self, policy, tok, test, a: argparse.Namespace) -> None:
-        self.policy, self.tok, self.test, self.a = policy, tok, test, a
-        self.total, self.eval_every = a.steps, a.eval_every
-        self.steps: list[dict[str, float]] = []
-        self.evals: list[dict[str, float]] = []
-        self.eval_s = 0.0
-        self.train_s = 0.0
-        self.last_log: dict[str, float] = {}
-        self.mark = time.monotonic()
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        t0 = time.monotonic()
-        a = self.a
-        greedy = accuracy(self.policy, self.tok, self.test, a.response_length)
-        sampled = accuracy(
-            self.policy,
-            self.tok,
-            self.test,
-            a.response_length,
-            samples=a.eval_samples,
-            temperature=a.temperature,
-            seed=a.seed * 100_003 + step,
-        )
-        took = time.monotonic() - t0
-        self.eval_s += took
-        e = {"step": step, "greedy": greedy, "sampled": sampled, "train_s": self.train_s, "eval_s": took}
-        self.evals.append(e)
-        return e
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.last_log = dict(logs or {})
-
-    def on_step_end(self, args, state, control, **kwargs):
-        took = time.monotonic() - self.mark
-        self.train_s += took
-        step = state.global_step
-        m = self.last_log
-        self.steps.append(
-            {"step": step, "train_s": took, "score": m.get("objective/scores"), "kl": m.get("objective/kl")}
-        )
-        val = "   -  /   -  "
-        if step % self.eval_every == 0 or step == self.total:
-            e = self.evaluate(step)
-            val = f"{e['sampled']:.3f} / {e['greedy']:.3f}"
-        eta = self.train_s / step * (self.total - step)
-        say(
-            f"step {step:>3}/{self.total}  reward {m.get('objective/scores', 0):.3f}  "
-            f"kl {m.get('objective/kl', 0):+.4f}  val avg@{self.a.eval_samples}/greedy {val}  {took:.2f} s/step  "
-            f"[train {self.train_s:.0f} s, eta {eta:.0f} s]"
-        )
-        self.mark = time.monotonic()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     say(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}")
     tok = load_tokenizer(a.model)
-    train, test = load_task(a.train), load_task(a.test)
+    train, test = load_task(a.train, tok), load_task(a.test, tok)
     answers = dict(train)
     torch.manual_seed(a.seed)
     policy = LlamaForCausalLM.from_pretrained(a.model)
@@ -267,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         disable_tqdm=True,
         seed=a.seed,
     )
-    recorder = Recorder(policy, tok, test, a)
+    recorder = Recorder(
+        policy, tok, test, a, score_answer, {"reward": "objective/scores", "kl": "objective/kl"}
+    )
     trainer = PPOTrainer(
         args=args,
         processing_class=tok,

@@ -1,0 +1,187 @@
+"""make bench-peer-grpo: TRL's GRPOTrainer and rlmesh's GRPO on the long-tail chain task, same model,
+same start, same knobs, one after the other; prints times, accuracies and rlmesh's time to TRL's
+final accuracy as a ratio of TRL's.
+
+    python benchmarks/bench_peer_grpo.py [--seeds 0,1,2] [--steps 40] [--runs trl,sync,partial]
+
+The task, model and start are benchmarks/bench_async.py's (``rlmesh data chain``, a 1.1M Llama,
+the SFT checkpoint cached under runs/bench-async: built once for both benchmarks). Every run trains
+``--steps`` GRPO steps of 32 prompts x 4 answers (up to 96 tokens), 2 mini-batches of one
+micro-batch, one epoch, clip 0.2, no KL term, token-mean loss, advantages over the group's std,
+lr ``--lr`` with 10% warm-up and cosine decay to a tenth, temperature 1:
+
+- ``trl``: benchmarks/peer_trl_grpo.py in .venv-trl-grpo (TRL's current release), one process
+  generating with transformers' ``generate`` (TRL's path without vLLM);
+- ``sync`` / ``partial``: ``rlmesh train`` with bench-async's ``sync`` and ``partial`` modes (two
+  embedded engines, the reward service, the learner).
+
+Accuracy is greedy on the 128 test prompts, scored by rlmesh's chain rule on both sides, before
+training and every 5 steps; the final accuracy is the mean of the last two evaluations. Time is
+the training steps only, between bench-peer's boundaries (evaluation and start-up apart). "to TRL's
+final" is the training time to the first evaluation at or above TRL's final accuracy; the ratio
+divides it by TRL's own time to it. Where TRL ends no higher than it started there is nothing to
+reach and no ratio is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks.bench_async import BATCH, MINI_BATCH, RESPONSE_LENGTH, N, prepare, run_mode  # noqa: E402
+from benchmarks.bench_peer import stream, time_to_accuracy  # noqa: E402
+
+PEER_TRL_GRPO = REPO / "benchmarks" / "peer_trl_grpo.py"
+RUNS = ("trl", "sync", "partial")
+# The target of issue 35: rlmesh's GRPO reaches TRL GRPOTrainer's final accuracy in at most this
+# share of TRL's time.
+RATIO_TARGET = 0.5
+
+
+def say(msg: str) -> None:
+    print(f"[bench-peer-grpo] {msg}", flush=True)
+
+
+def trl_argv(prep: dict[str, Any], seed: int, args: argparse.Namespace, out: Path) -> list[str]:
+    """peer_trl_grpo.py's command line: bench-async's knobs (rlmesh's side of the same run)."""
+    data = prep["data"]
+    return [
+        str(REPO / args.trl_python),
+        "-u",
+        str(PEER_TRL_GRPO),
+        f"--model={prep['model']}",
+        f"--train={data / 'train.parquet'}",
+        f"--test={data / 'test.parquet'}",
+        f"--out={out}",
+        f"--workdir={out.parent / f'trl-output-seed{seed}'}",
+        f"--steps={args.steps}",
+        f"--seed={seed}",
+        f"--batch={BATCH}",
+        f"--n={N}",
+        f"--mini-batches={BATCH // MINI_BATCH}",
+        f"--lr={args.lr}",
+        f"--response-length={RESPONSE_LENGTH}",
+    ]
+
+
+def run_trl(prep: dict[str, Any], seed: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
+    out = outdir / f"trl-seed{seed}.json"
+    argv = trl_argv(prep, seed, args, out)
+    say(f"trl, seed {seed}: GRPOTrainer, {args.steps} steps in {args.trl_python}")
+    code, wall = stream(argv, f"[trl/{seed}] ")
+    if code != 0:
+        raise SystemExit(f"[bench-peer-grpo] the TRL run of seed {seed} failed (exit code {code})")
+    r = json.loads(out.read_text())
+    evals = [{"step": e["step"], "acc": e["greedy"], "train_s": e["train_s"]} for e in r["evals"]]
+    return {
+        "evals": evals,
+        "train_s": r["train_s"],
+        "eval_s": r["eval_s"],
+        "process_s": wall,
+        "final_acc": statistics.fmean(e["acc"] for e in evals[-2:]),
+        "trl_version": r["trl_version"],
+    }
+
+
+def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per seed and run: time to that seed's TRL final accuracy and its ratio to TRL's own."""
+    out: dict[str, Any] = {}
+    for seed, runs in results.items():
+        trl = runs.get("trl")
+        start = trl["evals"][0]["acc"] if trl and trl["evals"] else None
+        target = trl["final_acc"] if trl and start is not None and trl["final_acc"] > start else None
+        base = time_to_accuracy(trl["evals"], target) if target is not None else None
+        for run, r in runs.items():
+            last_step = r["evals"][-1]["step"] if r["evals"] else 0
+            reached = time_to_accuracy(r["evals"], target) if target is not None else None
+            ratio = reached["train_s"] / base["train_s"] if reached and base and base["train_s"] else None
+            out.setdefault(seed, {})[run] = {
+                "start_acc": r["evals"][0]["acc"] if r["evals"] else None,
+                "final_acc": r["final_acc"],
+                "train_s": r["train_s"],
+                "s_per_step": r["train_s"] / last_step if last_step else None,
+                "to_trl_final_s": reached and reached["train_s"],
+                "ratio_to_trl": ratio,
+            }
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = [
+        "| seed | run | start acc | final acc | train s | s/step | to TRL's final, s | ratio to TRL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for seed, runs in summary.items():
+        for run, s in runs.items():
+            lines.append(
+                f"| {seed} | {run} | {f(s['start_acc'], '.1%')} | {f(s['final_acc'], '.1%')} | "
+                f"{f(s['train_s'], '.0f')} | {f(s['s_per_step'], '.2f')} | {f(s['to_trl_final_s'], '.0f')} | "
+                f"{f(s['ratio_to_trl'], '.2f')} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps of every run")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"any of {', '.join(RUNS)}, in order")
+    p.add_argument("--lr", type=float, default=1e-5, help="the actor's learning rate (cosine to a tenth)")
+    p.add_argument("--workdir", default="runs/bench-async", help="shared with bench-async: one SFT start")
+    p.add_argument("--trl-python", default=".venv-trl-grpo/bin/python")
+    p.add_argument("--sft-band", type=float, default=0.3)
+    p.add_argument("--sft-max-epochs", type=int, default=40)
+    p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
+    args = p.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    if bad := [r for r in runs if r not in RUNS]:
+        p.error(f"unknown runs {bad}; known: {', '.join(RUNS)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    workdir = REPO / args.workdir
+    t0 = time.monotonic()
+    prep = prepare(workdir, args.sft_band, args.sft_max_epochs)
+    outdir = workdir / f"peer-grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    outdir.mkdir(parents=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    summary: dict[str, Any] = {}
+    for seed in seeds:
+        for run in runs:
+            if run == "trl":
+                r = run_trl(prep, seed, args, outdir)
+            else:
+                r = run_mode(prep, run, seed, args, outdir)
+                r.pop("occupancy")
+            results.setdefault(str(seed), {})[run] = r
+            summary = summarize(results)
+            record = {"args": vars(args), "sft": prep["sft"], "summary": summary, "results": results}
+            (outdir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print()
+    print(f"  bench-peer-grpo: {args.steps} GRPO steps of {BATCH} prompts x {N}, seeds {args.seeds}")
+    print()
+    print(table(summary))
+    for run in (r for r in runs if r != "trl"):
+        ratios = [s[run]["ratio_to_trl"] for s in summary.values() if run in s]
+        if "trl" in runs and ratios:
+            met = all(r is not None and r <= RATIO_TARGET for r in ratios)
+            print(
+                f"\n  rlmesh {run} to TRL's final accuracy: "
+                f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of TRL's time; "
+                f"target <= {RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
+            )
+    print(f"\n  everything took {time.monotonic() - t0:.0f} s; results: {outdir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
