@@ -2,7 +2,7 @@
 same start, same knobs, one after the other; prints times, accuracies and rlmesh's time to TRL's
 final accuracy as a ratio of TRL's.
 
-    python benchmarks/bench_peer_grpo.py [--seeds 0,1,2] [--steps 40] [--runs trl,sync,partial]
+    python benchmarks/bench_peer_grpo.py [--seeds 0,1,2] [--steps 100] [--runs trl,sync,partial]
 
 The task, model and start are benchmarks/bench_async.py's (``rlmesh data chain``, a 1.1M Llama,
 the SFT checkpoint cached under runs/bench-async: built once for both benchmarks). Every run trains
@@ -36,7 +36,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_async import BATCH, MINI_BATCH, RESPONSE_LENGTH, N, prepare, run_mode  # noqa: E402
+from benchmarks.bench_async import BATCH, LR_HELP, MINI_BATCH, RESPONSE_LENGTH, N, prepare, run_mode  # noqa: E402
 from benchmarks.bench_peer import stream, time_to_accuracy  # noqa: E402
 
 PEER_TRL_GRPO = REPO / "benchmarks" / "peer_trl_grpo.py"
@@ -135,9 +135,9 @@ def table(summary: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps of every run")
+    p.add_argument("--steps", type=int, default=100, help="GRPO steps of every run")
     p.add_argument("--runs", default=",".join(RUNS), help=f"any of {', '.join(RUNS)}, in order")
-    p.add_argument("--lr", type=float, default=1e-5, help="the actor's learning rate (cosine to a tenth)")
+    p.add_argument("--lr", type=float, default=1e-4, help=LR_HELP)
     p.add_argument("--workdir", default="runs/bench-async", help="shared with bench-async: one SFT start")
     p.add_argument("--trl-python", default=".venv-trl-grpo/bin/python")
     p.add_argument("--sft-band", type=float, default=0.3)

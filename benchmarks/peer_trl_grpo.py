@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="answers per prompt (a GRPO group)")
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per generation")
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay to this share of --lr")
     p.add_argument("--clip-ratio", type=float, default=0.2)
