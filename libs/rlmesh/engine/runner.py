@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from rlmesh.engine.simulated import SimulatedModel, SimulatedRunner
+
 SLOT_MODEL_TYPES = frozenset({"qwen2", "llama"})
 
 
@@ -32,8 +34,11 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
 
-def make_runner(model: PreTrainedModel) -> Runner:
-    """A ``SlotRunner`` where the architecture allows it, else the generic ``HFCacheRunner``."""
+def make_runner(model: PreTrainedModel | SimulatedModel) -> Runner:
+    """A ``SlotRunner`` where the architecture allows it, else the generic ``HFCacheRunner``; a
+    ``SimulatedRunner`` for a simulated model."""
+    if isinstance(model, SimulatedModel):
+        return SimulatedRunner(model)
     return SlotRunner(model) if slot_runner_supports(model) else HFCacheRunner(model)
 
 

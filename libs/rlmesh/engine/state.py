@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from rlmesh.engine.batching import BatchEngine, GenerationRequest
 from rlmesh.engine.metrics import EngineMetrics
 from rlmesh.engine.sampling import SamplingParams
+from rlmesh.engine.simulated import SimulatedModel, read_simulation_spec
 from rlmesh.engine.weight_updates import EngineWeights
 from rlmesh.models.tokenizer import load_tokenizer
 
@@ -56,13 +58,19 @@ def load_state(
 ) -> EngineState:
     """Loads the model (float32, for CPU) and its tokenizer and builds an engine on them, not started.
     ``override_config``: entries that replace the model's HF config ones (SGLang's
-    ``--json-model-override-args``; verl's ``model.override_config``)."""
-    config = AutoConfig.from_pretrained(model_path)
-    for key, value in (override_config or {}).items():
-        setattr(config, key, value)
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    ``--json-model-override-args``; verl's ``model.override_config``). A directory
+    ``write_simulated_model`` wrote gives a simulated engine (no model, no tokenizer; the overrides
+    replace its spec's entries)."""
+    spec = read_simulation_spec(model_path)
+    if spec is not None:
+        model: Any = SimulatedModel(dataclasses.replace(spec, **(override_config or {})))
+    else:
+        config = AutoConfig.from_pretrained(model_path)
+        for key, value in (override_config or {}).items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
     tokenizer = None
-    if not skip_tokenizer_init:
+    if not skip_tokenizer_init and spec is None:
         with contextlib.suppress(Exception):  # a model directory without a tokenizer is fine
             tokenizer = load_tokenizer(model_path)
     eos = model.generation_config.eos_token_id if model.generation_config else None
