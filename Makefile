@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-preflight bench-startup bench-checkpoint clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-scale bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -216,6 +216,11 @@ bench-peer-grpo: venv redis-server $(TRL_GRPO_VENV)/.installed
 # SFT checkpoint (cached under runs/bench-async); ASYNC_ARGS='--seeds 0 --steps 20' for a shorter run.
 bench-async: venv redis-server
 	$(BIN)/python benchmarks/bench_async.py $(ASYNC_ARGS)
+
+# One step's trajectories through one Redis and the learner's collector, demo-sized to 7B-shaped
+# (16k x 4k tokens; about 10 minutes, 4 GB of memory): SCALE_ARGS='--points 1024x512 --signed'.
+bench-scale: venv redis-server
+	$(BIN)/python benchmarks/bench_scale.py $(SCALE_ARGS)
 
 # Each pre-flight mistake's `rlmesh config validate`, timed (under a minute).
 bench-preflight: venv

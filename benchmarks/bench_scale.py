@@ -1,0 +1,293 @@
+"""make bench-scale: what one step's trajectories cost Redis and the learner, from a demo-sized step
+to a 7B-shaped one (16k trajectories of up to 4k tokens), on one Redis on this machine.
+
+    python benchmarks/bench_scale.py [--points 1024x512,4096x1024,16384x1024,16384x4096] [--producers 8]
+
+For each point TRAJECTORIES x RESPONSE_TOKENS: ``--producers`` processes (standing for the rollout
+replicas) publish the step's trajectories to the run's trajectory stream as replicas do (groups of
+``--n``, a ``--prompt-tokens`` prompt, rollout and reference log-probs per response token, signed
+with a run key when ``--signed``, as a run with a token signs them), and only then the learner side collects them with the
+learner's own ``BatchCollector`` (validation included), pads them into a ``PPOBatch``
+(``build_batch``) and commits them. Publishing and collecting are timed apart, so each is the cost
+of that side alone. Per point: bytes through the stream, the time and MB/s of each side, the
+learner's CPU seconds, Redis's commands, CPU seconds and the memory the step's stream holds, and the AOF it wrote (the run's
+Redis settings: AOF on, fsync every second). Results go to runs/bench-scale/; docs/scale.md has the
+table and the cost model fitted to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import multiprocessing as mp
+import os
+import resource
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+
+from rlmesh.learner.ppo.batch import build_batch, validate_trajectory
+from rlmesh.learner.run.collect import BatchCollector
+from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
+from rlmesh.runtime.launcher import ProcessLauncher
+from rlmesh.v1 import trajectory_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 152_064  # Qwen2's: token ids take 3 bytes as varints, as a real 7B job's do
+INCARNATION = 1
+PUT_BATCH = 16  # trajectories a replica puts at once (a group)
+
+
+def say(msg: str) -> None:
+    print(f"[bench-scale] {msg}", flush=True)
+
+
+def template(prompt_tokens: int, response_tokens: int, seed: int) -> trajectory_pb2.Trajectory:
+    rng = np.random.default_rng(seed)
+    return trajectory_pb2.Trajectory(
+        prompt_ids=rng.integers(0, VOCAB, prompt_tokens).tolist(),
+        response_ids=rng.integers(1, VOCAB, response_tokens).tolist(),
+        rollout_log_probs=(-rng.exponential(1.0, response_tokens)).astype(np.float32).tolist(),
+        ref_log_probs=(-rng.exponential(1.0, response_tokens)).astype(np.float32).tolist(),
+        score=1.0,
+        policy_version=0,
+    )
+
+
+def producer(
+    url: str,
+    run_id: str,
+    token: str | None,
+    worker: int,
+    groups: list[int],
+    n: int,
+    shape: tuple[int, int],
+    start: Any,
+    out: Any,
+) -> None:
+    """One replica's share: ``groups`` (their indexes), n trajectories each, put a group at a time."""
+
+    async def run() -> None:
+        redis = connect(url)
+        q = trajectory_queue(redis, RunKeys.signed(run_id, token), f"replica-{worker}", maxlen=10_000_000)
+        base = template(*shape, seed=worker)
+        size = 0
+        out.put(("ready", worker))
+        start.wait()
+        t0 = time.perf_counter()
+        for g in groups:
+            batch = []
+            for k in range(n):
+                t = trajectory_pb2.Trajectory()
+                t.CopyFrom(base)
+                t.group_uid = f"i{INCARNATION}:s1:d{g}:bench"
+                t.uid = f"{t.group_uid}:{k}"
+                t.replica_id = f"replica-{worker}"
+                batch.append(t)
+            size += sum(t.ByteSize() for t in batch)
+            for i in range(0, len(batch), PUT_BATCH):
+                await q.put(batch[i : i + PUT_BATCH])
+        out.put((worker, time.perf_counter() - t0, size))
+        await redis.aclose()
+
+    asyncio.run(run())
+
+
+async def redis_info(url: str) -> dict[str, float]:
+    redis = connect(url)
+    try:
+        info = await redis.info("all")
+    finally:
+        await redis.aclose()
+    return {
+        "commands": float(info["total_commands_processed"]),
+        "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+        "memory": float(info["used_memory"]),
+        "aof_bytes": float(info.get("aof_current_size", 0) or 0),
+        "net_in": float(info["total_net_input_bytes"]),
+        "net_out": float(info["total_net_output_bytes"]),
+    }
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def learner_side(
+    url: str, run_id: str, token: str | None, groups: int, n: int, shape: tuple[int, int]
+) -> dict[str, float]:
+    """The learner's collection, validation, padding and commit of one step's batch."""
+    redis = connect(url)
+    keys = RunKeys.signed(run_id, token)
+    q = trajectory_queue(redis, keys, "learner", maxlen=10_000_000)
+    collector = BatchCollector(
+        TrajectoryCollector(q, keys.used_uids),
+        n=n,
+        incarnation=INCARNATION,
+        max_staleness=0,
+        validate=functools.partial(
+            validate_trajectory,
+            needs_ref=True,
+            vocab_size=VOCAB,
+            max_prompt_length=shape[0],
+            max_response_length=shape[1],
+        ),
+    )
+
+    async def requeue(_: trajectory_pb2.Trajectory) -> None:
+        raise AssertionError("nothing in this benchmark is stale")
+
+    c0, t0 = cpu_s(), time.perf_counter()
+    batch = await collector.collect(groups, version=0, timeout_s=3600, requeue=requeue)
+    t1 = time.perf_counter()
+    if len(batch.trajectories) != groups * n or any(batch.counts.values()):
+        raise SystemExit(f"collected {len(batch.trajectories)} of {groups * n}; refused {batch.counts}")
+    ppo = build_batch(batch.trajectories, 0, max_prompt_length=shape[0], max_response_length=shape[1])
+    t2 = time.perf_counter()
+    await collector.commit(batch)
+    t3 = time.perf_counter()
+    tensor_bytes = sum(v.numel() * v.element_size() for v in vars(ppo).values() if hasattr(v, "numel"))
+    del ppo, batch
+    await redis.delete(keys.trajectories, keys.used_uids)
+    await redis.aclose()
+    return {
+        "collect_s": t1 - t0,
+        "build_s": t2 - t1,
+        "commit_s": t3 - t2,
+        "learner_cpu_s": cpu_s() - c0,
+        "batch_tensor_bytes": float(tensor_bytes),
+    }
+
+
+def run_point(url: str, trajectories: int, response: int, args: argparse.Namespace) -> dict[str, Any]:
+    shape = (args.prompt_tokens, response)
+    groups = trajectories // args.n
+    run_id = f"scale-{trajectories}x{response}-{time.time_ns()}"
+    token = args.token
+
+    async def setup() -> None:
+        redis = connect(url)
+        await trajectory_queue(redis, RunKeys.signed(run_id, token), "learner").ensure_group()
+        await redis.aclose()
+
+    asyncio.run(setup())
+    before = asyncio.run(redis_info(url))
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    shares = [list(range(w, groups, args.producers)) for w in range(args.producers)]
+    procs = [
+        ctx.Process(target=producer, args=(url, run_id, token, w, share, args.n, shape, start, out))
+        for w, share in enumerate(shares)
+    ]
+    for p in procs:
+        p.start()
+    assert all(out.get()[0] == "ready" for _ in procs)  # imported and connected: the clock starts
+    t0 = time.perf_counter()
+    start.set()
+    reports = [out.get() for _ in procs]
+    publish_s = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    published = asyncio.run(redis_info(url))
+    learner = asyncio.run(learner_side(url, run_id, token, groups, args.n, shape))
+    after = asyncio.run(redis_info(url))
+    stream_bytes = sum(size for _, _, size in reports)
+    return {
+        "trajectories": trajectories,
+        "response_tokens": response,
+        "prompt_tokens": args.prompt_tokens,
+        "stream_bytes": stream_bytes,
+        "publish_s": publish_s,
+        "publish_mb_s": stream_bytes / publish_s / 1e6,
+        **learner,
+        "collect_mb_s": stream_bytes / learner["collect_s"] / 1e6,
+        "redis_commands": after["commands"] - before["commands"],
+        "redis_cpu_s": after["cpu_s"] - before["cpu_s"],
+        "redis_step_memory": published["memory"] - before["memory"],
+        "redis_memory_after": after["memory"],
+        "aof_bytes": published["aof_bytes"] - before["aof_bytes"],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| trajectories x tokens | stream MB | publish s (MB/s) | collect s (MB/s) | pad s | commit s "
+        "| learner CPU s | Redis commands | Redis CPU s | Redis MB held |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['trajectories']:,} x {r['response_tokens']:,} | {r['stream_bytes'] / 1e6:,.0f} | "
+            f"{r['publish_s']:.2f} ({r['publish_mb_s']:.0f}) | {r['collect_s']:.2f} ({r['collect_mb_s']:.0f}) | "
+            f"{r['build_s']:.2f} | {r['commit_s']:.2f} | {r['learner_cpu_s']:.1f} | {r['redis_commands']:,.0f} | "
+            f"{r['redis_cpu_s']:.1f} | {r['redis_step_memory'] / 1e6:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    points = []
+    for item in text.split(","):
+        t, _, length = item.partition("x")
+        if not (t.isdigit() and length.isdigit()):
+            raise argparse.ArgumentTypeError(f"a point is TRAJECTORIESxTOKENS, got {item!r}")
+        points.append((int(t), int(length)))
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--points", type=parse_points, default=parse_points("1024x512,4096x1024,16384x1024,16384x4096")
+    )
+    p.add_argument("--producers", type=int, default=8, help="publishing processes (replicas)")
+    p.add_argument("--n", type=int, default=16, help="samples per prompt (a group)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument(
+        "--signed", action="store_true", help="sign every entry with a run key, as a run with a token does"
+    )
+    p.add_argument("--out", default="runs/bench-scale")
+    args = p.parse_args(argv)
+    args.token = secrets.token_urlsafe(32) if args.signed else None  # never printed or written
+    for t, _ in args.points:
+        if t % args.n:
+            p.error(f"{t} trajectories are not whole groups of --n {args.n}")
+    outdir = REPO / args.out / time.strftime("%Y%m%d-%H%M%S")
+    outdir.mkdir(parents=True)
+    rows = []
+    with ProcessLauncher(outdir / "services", stop_grace_s=30) as launcher:
+        redis = launcher.start_redis(appendonly=True)
+        say(
+            f"redis at {redis.url} (AOF on, fsync every second); {args.producers} producers; signed: {args.signed}"
+        )
+        for t, length in args.points:
+            say(f"{t:,} trajectories of {length:,} response tokens (prompt {args.prompt_tokens}) ...")
+            row = run_point(redis.url, t, length, args)
+            rows.append(row)
+            say(
+                f"  {row['stream_bytes'] / 1e6:,.0f} MB: published in {row['publish_s']:.2f} s, collected in "
+                f"{row['collect_s']:.2f} s, padded in {row['build_s']:.2f} s, committed in {row['commit_s']:.2f} s"
+            )
+            (outdir / "results.json").write_text(
+                json.dumps(
+                    {"args": {k: v for k, v in vars(args).items() if k != "token"}, "points": rows}, indent=1
+                )
+                + "\n"
+            )
+    print()
+    print(table(rows))
+    print(f"\n  results: {outdir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
