@@ -237,7 +237,9 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for seed, modes in results.items():
         sync = modes.get("sync")
-        target = sync["final_acc"] if sync else None
+        start = sync["evals"][0]["acc"] if sync and sync["evals"] else None
+        # A synchronous run that ends no higher than it started leaves nothing to reach.
+        target = sync["final_acc"] if sync and start is not None and sync["final_acc"] > start else None
         base = time_to_accuracy(sync["evals"], target) if sync and target is not None else None
         for mode, r in modes.items():
             reached = time_to_accuracy(r["evals"], target) if target is not None else None
@@ -341,7 +343,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n  partial + in-flight to the synchronous final accuracy: "
             f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of sync's time; "
             f"target <= {PARTIAL_RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
+            + (
+                "; '-': sync ended no higher than it started, or partial never reached it"
+                if None in ratios
+                else ""
+            )
         )
+        for mode in (m for m in modes if m != "sync"):
+            speed = [
+                s[mode]["tokens_per_s"] / s["sync"]["tokens_per_s"] for s in summary.values() if mode in s
+            ]
+            print(
+                f"  {mode}: generated tokens per second of training {', '.join(f'{x:.2f}x' for x in speed)} sync's"
+            )
     print(
         f"\n  everything took {time.monotonic() - t0:.0f} s; results: {outdir / 'results.json'}, plot: occupancy.png"
     )

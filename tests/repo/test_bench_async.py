@@ -57,6 +57,7 @@ def test_each_mode_is_timed_to_the_synchronous_runs_final_accuracy_of_its_seed()
     results = {
         "0": {"sync": run([0.1, 0.2, 0.3, 0.4]), "partial": run([0.1, 0.35, 0.4, 0.5], step_s=8.0)},
         "1": {"sync": run([0.2, 0.2, 0.3]), "partial": run([0.2, 0.2, 0.2])},
+        "2": {"sync": run([0.3, 0.2, 0.3]), "partial": run([0.3, 0.4, 0.5])},
     }
     s = summarize(results)
     # seed 0: sync's final is 0.35, reached at its step 15 (150 s); partial reaches 0.35 at step 5 (40 s)
@@ -65,3 +66,5 @@ def test_each_mode_is_timed_to_the_synchronous_runs_final_accuracy_of_its_seed()
     assert s["0"]["partial"]["ratio_to_sync"] == pytest.approx(40 / 150)
     # seed 1: partial never reaches sync's 0.25: no ratio, not a fast one
     assert s["1"]["partial"]["to_sync_final_s"] is None and s["1"]["partial"]["ratio_to_sync"] is None
+    # seed 2: sync ends at 0.25, below its start of 0.3: nothing to reach, no ratio for any mode
+    assert s["2"]["sync"]["ratio_to_sync"] is None and s["2"]["partial"]["ratio_to_sync"] is None
