@@ -188,12 +188,18 @@ class OccupancySampler(threading.Thread):
 
 
 def run_mode(
-    prep: dict[str, Any], mode: str, seed: int, args: argparse.Namespace, outdir: Path
+    prep: dict[str, Any],
+    mode: str,
+    seed: int,
+    args: argparse.Namespace,
+    outdir: Path,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One ``rlmesh train`` run of ``mode`` (``extra``: overrides on top, e.g. a peer's knobs)."""
     from rlmesh.job.report import read_metrics
 
     run_dir = outdir / f"{mode}-seed{seed}"
-    o = overrides(prep, mode, seed, args.steps, run_dir, args.lr)
+    o = {**overrides(prep, mode, seed, args.steps, run_dir, args.lr), **(extra or {})}
     say(f"{mode}, seed {seed}: rlmesh train, {args.steps} steps, " + " ".join(as_cli(MODES[mode])))
     lines: list[str] = []
     sampler = OccupancySampler(lines, run_dir, args.sample_every)

@@ -21,6 +21,12 @@ the training steps only, between bench-peer's boundaries (evaluation and start-u
 final" is the training time to the first evaluation at or above TRL's final accuracy; the ratio
 divides it by TRL's own time to it. Where TRL ends no higher than it started there is nothing to
 reach and no ratio is given.
+
+What the clocks do not make equal: TRL runs in one process with one torch thread (the house's
+setting; ``--trl-threads 2`` gives it both cores), rlmesh's engines, reward service and learner are
+processes of their own and use both cores; and with ``stale1`` or ``partial`` the replicas go on
+generating the next step's samples while the learner validates, time the clock leaves out with
+the validation. Both favour rlmesh.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ from benchmarks.bench_peer import stream, time_to_accuracy  # noqa: E402
 
 PEER_TRL_GRPO = REPO / "benchmarks" / "peer_trl_grpo.py"
 RUNS = ("trl", *MODES)
+# What rlmesh's config (verl's defaults, the CPU demo's) has and TRL's GRPOTrainer has not, set on
+# rlmesh's side to TRL's; the knobs both have go to TRL from rlmesh's config (trl_argv).
+TRL_KNOBS = {"actor_rollout_ref.actor.clip_ratio_c": 1e9}  # no dual-clip
+# rlmesh's side's values (examples/cpu_demo.yaml and verl's defaults; tests/repo checks them).
+CLIP_RATIO, WEIGHT_DECAY, WARMUP_RATIO, MIN_LR_RATIO = 0.2, 0.01, 0.1, 0.1
 # The target of issue 35: rlmesh's GRPO reaches TRL GRPOTrainer's final accuracy in at most this
 # share of TRL's time.
 RATIO_TARGET = 0.5
@@ -69,6 +80,11 @@ def trl_argv(prep: dict[str, Any], seed: int, args: argparse.Namespace, out: Pat
         f"--mini-batches={BATCH // MINI_BATCH}",
         f"--lr={args.lr}",
         f"--response-length={RESPONSE_LENGTH}",
+        f"--clip-ratio={CLIP_RATIO}",
+        f"--weight-decay={WEIGHT_DECAY}",
+        f"--warmup-ratio={WARMUP_RATIO}",
+        f"--min-lr-ratio={MIN_LR_RATIO}",
+        f"--threads={args.trl_threads}",
     ]
 
 
@@ -76,7 +92,7 @@ def run_trl(prep: dict[str, Any], seed: int, args: argparse.Namespace, outdir: P
     out = outdir / f"trl-seed{seed}.json"
     argv = trl_argv(prep, seed, args, out)
     say(f"trl, seed {seed}: GRPOTrainer, {args.steps} steps in {args.trl_python}")
-    code, wall = stream(argv, f"[trl/{seed}] ")
+    code, wall = stream(argv, f"[trl/{seed}] ", env={"OMP_NUM_THREADS": str(args.trl_threads)})
     if code != 0:
         raise SystemExit(f"[bench-peer-grpo] the TRL run of seed {seed} failed (exit code {code})")
     r = json.loads(out.read_text())
@@ -140,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4, help=LR_HELP)
     p.add_argument("--workdir", default="runs/bench-async", help="shared with bench-async: one SFT start")
     p.add_argument("--trl-python", default=".venv-trl-grpo/bin/python")
+    p.add_argument("--trl-threads", type=int, default=1, help="TRL's torch threads")
     p.add_argument("--sft-band", type=float, default=0.3)
     p.add_argument("--sft-max-epochs", type=int, default=40)
     p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
@@ -160,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run == "trl":
                 r = run_trl(prep, seed, args, outdir)
             else:
-                r = run_mode(prep, run, seed, args, outdir)
+                r = run_mode(prep, run, seed, args, outdir, TRL_KNOBS)
                 r.pop("occupancy")
             results.setdefault(str(seed), {})[run] = r
             summary = summarize(results)

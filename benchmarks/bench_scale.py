@@ -1,7 +1,7 @@
 """make bench-scale: what one step's trajectories cost Redis and the learner, from a demo-sized step
 to a 7B-shaped one (16k trajectories of up to 4k tokens), on one Redis on this machine.
 
-    python benchmarks/bench_scale.py [--points 1024x512,4096x1024,16384x1024,16384x4096] [--producers 8]
+    python benchmarks/bench_scale.py [--points 1024x512,...,16384x4096] [--producers 8] [--push 1x64,...,64x128]
 
 For each point TRAJECTORIES x RESPONSE_TOKENS: ``--producers`` processes (standing for the rollout
 replicas) publish the step's trajectories to the run's trajectory stream as replicas do (groups of
@@ -11,8 +11,15 @@ learner's own ``BatchCollector`` (validation included), pads them into a ``PPOBa
 (``build_batch``) and commits them. Publishing and collecting are timed apart, so each is the cost
 of that side alone. Per point: bytes through the stream, the time and MB/s of each side, the
 learner's CPU seconds, Redis's commands, CPU seconds and the memory the step's stream holds, and the AOF it wrote (the run's
-Redis settings: AOF on, fsync every second). Results go to runs/bench-scale/; docs/scale.md has the
-table and the cost model fitted to it.
+Redis settings: AOF on, fsync every second).
+
+Then for each ``--push`` point ENGINESxMB: that many simulated engines (``rlmesh engine`` on a
+``SimulationSpec`` of MB of bf16 weights, real processes forked from one fork server) and the
+learner's ``WeightPusher`` pushing MB of weights to all of them over gloo, as the learner does
+(a weight group per engine, ``flattened_bucket``, the update cycle's pause and continue): the
+first push (the groups built) and the next two (warm) are timed, with the bytes moved.
+
+Results go to runs/bench-scale/; docs/scale.md has the tables and the cost model fitted to them.
 """
 
 from __future__ import annotations
@@ -33,10 +40,15 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
+import torch
 
+from rlmesh.engine.client import EngineClient
+from rlmesh.engine.simulated import SimulatedModel, SimulationSpec, write_simulated_model
 from rlmesh.learner.ppo.batch import build_batch, validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
+from rlmesh.learner.weight_sync.push import WeightPusher
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
+from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
@@ -218,6 +230,71 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
     }
 
 
+def push_point(
+    launcher: ProcessLauncher, root: Path, engines: int, mb: int, bucket_mb: int
+) -> dict[str, Any]:
+    """Pushes ``mb`` MB of bf16 weights to ``engines`` fresh simulated engines, three times."""
+    spec = SimulationSpec(weight_bytes=mb << 20, tensor_bytes=64 << 20, weight_dtype="bfloat16")
+    model_dir = write_simulated_model(root / f"sim-{mb}mb", spec)
+    started = [launcher.start_engine(model_dir, name=f"sim-{engines}x{mb}-{i}") for i in range(engines)]
+    weights = {n: torch.randn(p.shape).to(p.dtype) for n, p in SimulatedModel(spec).named_parameters()}
+
+    async def pushes() -> list[float]:
+        clients = [EngineClient(e.url, timeout_s=600) for e in started]
+        pusher = WeightPusher(
+            clients,
+            backend="gloo",
+            timeout_s=600,
+            bucket_bytes=bucket_mb << 20,
+            load_format="flattened_bucket",
+        )
+        seconds = []
+        try:
+            for version in (1, 2, 3):
+                t0 = time.perf_counter()
+                report = await pusher.push(weights.items(), version=version)
+                seconds.append(time.perf_counter() - t0)
+                if report.failed or len(report.engines) != engines:
+                    raise SystemExit(f"push {version} to {engines} engines failed on {report.failed}")
+            mismatches = await pusher.verify(dict(list(weights.items())[:2]))
+            if any(mismatches.values()):
+                raise SystemExit(f"engines hold other weights than pushed: {mismatches}")
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+        return seconds
+
+    try:
+        first, *warm = asyncio.run(pushes())
+    finally:
+        for e in started:
+            launcher.stop(e.process)
+    warm_s = min(warm)
+    moved = engines * (mb << 20)
+    return {
+        "engines": engines,
+        "weight_bytes": mb << 20,
+        "first_push_s": first,
+        "push_s": warm_s,
+        "bytes_moved": moved,
+        "gb_s": moved / warm_s / 1e9,
+    }
+
+
+def push_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| engines x weights | bytes moved | first push s (groups built) | push s (warm) | GB/s out of the learner |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['engines']} x {r['weight_bytes'] >> 20:,} MB | {r['bytes_moved'] / 1e9:.2f} GB | "
+            f"{r['first_push_s']:.2f} | {r['push_s']:.2f} | {r['gb_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| trajectories x tokens | stream MB | publish s (MB/s) | collect s (MB/s) | pad s | commit s "
@@ -234,13 +311,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_points(text: str) -> list[tuple[int, int]]:
+def parse_points(text: str, what: str = "TRAJECTORIESxTOKENS") -> list[tuple[int, int]]:
     points = []
-    for item in text.split(","):
-        t, _, length = item.partition("x")
-        if not (t.isdigit() and length.isdigit()):
-            raise argparse.ArgumentTypeError(f"a point is TRAJECTORIESxTOKENS, got {item!r}")
-        points.append((int(t), int(length)))
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition("x")
+        if not (a.isdigit() and b.isdigit()):
+            raise argparse.ArgumentTypeError(f"a point is {what}, got {item!r}")
+        points.append((int(a), int(b)))
     return points
 
 
@@ -249,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--points", type=parse_points, default=parse_points("1024x512,4096x1024,16384x1024,16384x4096")
     )
+    p.add_argument(
+        "--push",
+        type=functools.partial(parse_points, what="ENGINESxMB"),
+        default=parse_points("1x64,4x64,16x64,64x64,4x512,16x512"),
+        help="weight pushes: engines x MB of weights (empty: none)",
+    )
+    p.add_argument("--bucket-mb", type=int, default=512, help="rlmesh.weight_sync.bucket_size_mb")
     p.add_argument("--producers", type=int, default=8, help="publishing processes (replicas)")
     p.add_argument("--n", type=int, default=16, help="samples per prompt (a group)")
     p.add_argument("--prompt-tokens", type=int, default=512)
@@ -263,7 +347,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{t} trajectories are not whole groups of --n {args.n}")
     outdir = REPO / args.out / time.strftime("%Y%m%d-%H%M%S")
     outdir.mkdir(parents=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    pushes: list[dict[str, Any]] = []
+
+    def record() -> None:
+        args_out = {k: v for k, v in vars(args).items() if k != "token"}
+        (outdir / "results.json").write_text(
+            json.dumps({"args": args_out, "points": rows, "pushes": pushes}, indent=1) + "\n"
+        )
+
     with ProcessLauncher(outdir / "services", stop_grace_s=30) as launcher:
         redis = launcher.start_redis(appendonly=True)
         say(
@@ -283,8 +375,25 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 + "\n"
             )
+    if args.push:
+        with (
+            ForkServer.start(dict(os.environ)) as forkserver,
+            ProcessLauncher(outdir / "engines", stop_grace_s=30, forkserver=forkserver) as launcher,
+        ):
+            for engines, mb in args.push:
+                say(f"pushing {mb:,} MB to {engines} simulated engines ...")
+                row = push_point(launcher, outdir, engines, mb, args.bucket_mb)
+                pushes.append(row)
+                say(
+                    f"  first {row['first_push_s']:.2f} s, warm {row['push_s']:.2f} s ({row['gb_s']:.2f} GB/s out)"
+                )
+                record()
     print()
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if pushes:
+        print()
+        print(push_table(pushes))
     print(f"\n  results: {outdir / 'results.json'}")
     return 0
 

@@ -78,13 +78,21 @@ def accuracy(
                 **enc,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
+                # The model's stop tokens (e.g. <|im_end|> too), as rlmesh's validation stops.
+                eos_token_id=stop_ids(policy, tok),
                 **(sampling if samples else {"do_sample": False}),
             )
             texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             correct += sum(score(t, gt) for t, (_, gt) in zip(texts, chunk, strict=True))
     policy.train(was_training)
     return correct / len(rows)
+
+
+def stop_ids(policy: Any, tok: PreTrainedTokenizerFast) -> list[int]:
+    """The ids generation stops at: the model's generation config's, else the tokenizer's eos."""
+    config = getattr(policy, "generation_config", None)
+    eos = config.eos_token_id if config is not None and config.eos_token_id is not None else tok.eos_token_id
+    return list(eos) if isinstance(eos, list | tuple) else [eos]
 
 
 class Recorder(TrainerCallback):

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay to this share of --lr")
     p.add_argument("--clip-ratio", type=float, default=0.2)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (verl's default)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--response-length", type=int, default=96)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
         warmup_steps=a.warmup_ratio,  # transformers 5: a float below 1 is a share of the steps
-        weight_decay=0.0,
+        weight_decay=a.weight_decay,
         max_grad_norm=1.0,
         bf16=False,
         use_cpu=True,

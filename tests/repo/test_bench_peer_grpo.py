@@ -12,16 +12,18 @@ from tests.support.repo import CPU_DEMO, REPO
 sys.path.insert(0, str(REPO))
 from benchmarks.bench_async import overrides
 from benchmarks.bench_peer import as_cli
-from benchmarks.bench_peer_grpo import summarize, trl_argv
+from benchmarks.bench_peer_grpo import TRL_KNOBS, summarize, trl_argv
 
 
 def test_trl_runs_the_batch_groups_mini_batches_lr_and_length_of_rlmeshs_run(tmp_path):
     prep = {"data": tmp_path / "data", "model": tmp_path / "model"}
-    args = argparse.Namespace(steps=40, lr=2e-5, trl_python=".venv-trl-grpo/bin/python")
+    args = argparse.Namespace(steps=40, lr=2e-5, trl_python=".venv-trl-grpo/bin/python", trl_threads=1)
     flags = dict(
         a[2:].split("=", 1) for a in trl_argv(prep, 3, args, tmp_path / "trl.json") if a.startswith("--")
     )
-    cfg = load_config(str(CPU_DEMO), as_cli(overrides(prep, "sync", 3, 40, tmp_path / "sync", lr=2e-5)))
+    rlmesh = {**overrides(prep, "sync", 3, 40, tmp_path / "sync", lr=2e-5), **TRL_KNOBS}
+    cfg = load_config(str(CPU_DEMO), as_cli(rlmesh))
+    actor = cfg.actor_rollout_ref.actor
     assert int(flags["batch"]) == cfg.data.train_batch_size
     assert int(flags["n"]) == cfg.actor_rollout_ref.rollout.n
     assert (
@@ -33,7 +35,17 @@ def test_trl_runs_the_batch_groups_mini_batches_lr_and_length_of_rlmeshs_run(tmp
     assert int(flags["steps"]) == cfg.trainer.total_training_steps and int(flags["seed"]) == cfg.data.seed
     assert flags["model"] == str(prep["model"]) == cfg.actor_rollout_ref.model.path
     assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_kl_in_reward
-    assert not cfg.actor_rollout_ref.actor.use_kl_loss  # TRL runs with beta = 0
+    assert not actor.use_kl_loss  # TRL runs with beta = 0
+    assert float(flags["clip-ratio"]) == actor.clip_ratio and actor.clip_ratio_c >= 1e9  # no dual-clip in TRL
+    assert float(flags["weight-decay"]) == actor.optim.weight_decay
+    assert (
+        float(flags["warmup-ratio"]) == actor.optim.lr_warmup_steps_ratio and actor.optim.lr_warmup_steps <= 0
+    )
+    assert (
+        float(flags["min-lr-ratio"]) == actor.optim.min_lr_ratio and actor.optim.lr_scheduler_type == "cosine"
+    )
+    assert actor.loss_agg_mode == "token-mean" and actor.grad_clip == 1.0 and not actor.entropy_coeff
+    assert cfg.actor_rollout_ref.rollout.temperature == 1.0 and actor.ppo_epochs == 1
 
 
 def run(accs, step_s=10.0):
