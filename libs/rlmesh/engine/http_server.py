@@ -17,6 +17,7 @@ import uvicorn
 
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
+from rlmesh.engine.simulated import SimulationSpecError
 from rlmesh.runtime.entry import limit_torch_threads
 from rlmesh.runtime.http_guard import http_limits
 from rlmesh.runtime.logs import configure_logging
@@ -101,21 +102,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host.strip("[]"), args.port))
     port = {"port": sock.getsockname()[1]}
-    app = create_app(
-        args.model_path,
-        max_batch_size=args.max_batch_size,
-        weight_version=args.weight_version,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-        weight_sync_timeout_s=args.weight_sync_timeout,
-        ready_file=args.ready_file,
-        port_holder=port,
-        # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
-        auth_token=token,
-        override_config=args.json_model_override_args,
-        own_hosts=[args.host],
-        allowed_hosts=args.allowed_host,
-        allowed_origins=args.allowed_origin,
-    )
+    try:
+        app = create_app(
+            args.model_path,
+            max_batch_size=args.max_batch_size,
+            weight_version=args.weight_version,
+            skip_tokenizer_init=args.skip_tokenizer_init,
+            weight_sync_timeout_s=args.weight_sync_timeout,
+            ready_file=args.ready_file,
+            port_holder=port,
+            # From the environment, never an argument, which ps shows every user: docs/design.md#tokens
+            auth_token=token,
+            override_config=args.json_model_override_args,
+            own_hosts=[args.host],
+            allowed_hosts=args.allowed_host,
+            allowed_origins=args.allowed_origin,
+        )
+    except SimulationSpecError as e:
+        print(f"rlmesh engine: {e}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         app,
         log_level="warning",

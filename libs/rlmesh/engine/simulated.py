@@ -16,6 +16,11 @@ import torch
 from torch import nn
 
 SIMULATED_MODEL_TYPE = "rlmesh_simulated"
+NEVER = -1e9  # a logit whose token is not sampled (exp underflows to 0 against a 0 logit)
+
+
+class SimulationSpecError(ValueError):
+    """A simulated engine's spec names a key it does not know or holds a value out of range."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,9 @@ class SimulationSpec:
     sequence gains ``tokens_per_s`` tokens a second (a decode step takes ``1 / tokens_per_s``
     seconds whatever the batch, as a memory-bound GPU decode does); a prompt's prefill takes its
     length over ``prefill_tokens_per_s`` (0: no time). The weights are ``weight_bytes`` of
-    ``weight_dtype`` in tensors of at most ``tensor_bytes``, named ``w0``, ``w1``, ..."""
+    ``weight_dtype`` in tensors of at most ``tensor_bytes``, named ``w0``, ``w1``, ... ``seed`` fixes
+    the lengths drawn; None (the default) draws each engine's from the OS, so that engines sharing
+    one model directory do not all produce the same lengths."""
 
     vocab_size: int = 1024
     eos_token_id: int = 0
@@ -38,10 +45,16 @@ class SimulationSpec:
     weight_dtype: str = "bfloat16"
     tensor_bytes: int = 64 << 20
     context: int = 1 << 16
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = [
+            f"{f.name} {f.type} (got {type(v).__name__} {v!r})"
+            for f in fields(self)
+            if not _of_type(v := getattr(self, f.name), f.type)
+        ]
+        if problems:
+            raise SimulationSpecError("simulated engine: need " + "; ".join(problems))
         if self.vocab_size < 2 or not 0 <= self.eos_token_id < self.vocab_size:
             problems.append(
                 f"vocab_size >= 2 with eos_token_id in it (got {self.vocab_size}, {self.eos_token_id})"
@@ -62,7 +75,7 @@ class SimulationSpec:
         if not isinstance(getattr(torch, self.weight_dtype, None), torch.dtype):
             problems.append(f"weight_dtype a torch dtype (got {self.weight_dtype!r})")
         if problems:
-            raise ValueError("simulated engine: need " + "; ".join(problems))
+            raise SimulationSpecError("simulated engine: need " + "; ".join(problems))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -73,6 +86,32 @@ class SimulationSpec:
         item = self.dtype.itemsize
         total, per = self.weight_bytes // item, max(1, self.tensor_bytes // item)
         return [(f"w{i}", min(per, total - start)) for i, start in enumerate(range(0, total, per))]
+
+
+def _of_type(value: object, annotation: str) -> bool:
+    """Whether ``value`` fits a ``SimulationSpec`` field's annotation (bool is no int here)."""
+    if value is None:
+        return "None" in annotation
+    if isinstance(value, bool):
+        return False
+    if annotation.startswith("int"):
+        return isinstance(value, int)
+    if annotation == "float":
+        return isinstance(value, int | float)
+    return isinstance(value, str)
+
+
+def simulation_spec(
+    entries: dict[str, object], where: str, base: SimulationSpec | None = None
+) -> SimulationSpec:
+    """A spec from ``entries`` (over ``base``'s), refusing a key it does not know, named with ``where``."""
+    known = {f.name for f in fields(SimulationSpec)}
+    if unknown := sorted(set(entries) - known):
+        raise SimulationSpecError(f"{where}: unknown simulated-engine keys {unknown}; known: {sorted(known)}")
+    try:
+        return SimulationSpec(**{**(asdict(base) if base else {}), **entries})
+    except SimulationSpecError as e:
+        raise SimulationSpecError(f"{where}: {e}") from None
 
 
 def write_simulated_model(path: str | Path, spec: SimulationSpec) -> Path:
@@ -94,10 +133,7 @@ def read_simulation_spec(path: str | Path) -> SimulationSpec | None:
         return None
     if not isinstance(data, dict) or data.get("model_type") != SIMULATED_MODEL_TYPE:
         return None
-    known = {f.name for f in fields(SimulationSpec)}
-    if unknown := sorted(set(data) - known - {"model_type"}):
-        raise ValueError(f"{config}: unknown simulated-engine keys {unknown}; known: {sorted(known)}")
-    return SimulationSpec(**{k: v for k, v in data.items() if k in known})
+    return simulation_spec({k: v for k, v in data.items() if k != "model_type"}, str(config))
 
 
 class SimulatedModel(nn.Module):
@@ -127,7 +163,7 @@ class SimulatedRunner:
     def __init__(self, model: SimulatedModel) -> None:
         self.spec = model.spec
         self.size = 0
-        self._rng = random.Random(self.spec.seed)
+        self._rng = random.Random(self.spec.seed)  # None: seeded from the OS
         self._targets: list[int] = []
         self._produced: list[int] = []  # tokens each row has been fed back (= sampled so far)
         self._step_s = 1.0 / self.spec.tokens_per_s
@@ -143,7 +179,8 @@ class SimulatedRunner:
         logits[:, eos] = float("-inf")
         ending = [r for r in range(self.size) if self._produced[r] + 1 >= self._targets[r]]
         if ending:
-            logits[ending] = float("-inf")
+            # Finite, not -inf: a row whose min_new_tokens masks eos still has tokens to sample.
+            logits[ending] = NEVER
             logits[ending, eos] = 0.0
         return logits
 

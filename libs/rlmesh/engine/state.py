@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from rlmesh.engine.batching import BatchEngine, GenerationRequest
 from rlmesh.engine.metrics import EngineMetrics
 from rlmesh.engine.sampling import SamplingParams
-from rlmesh.engine.simulated import SimulatedModel, read_simulation_spec
+from rlmesh.engine.simulated import SimulatedModel, read_simulation_spec, simulation_spec
 from rlmesh.engine.weight_updates import EngineWeights
 from rlmesh.models.tokenizer import load_tokenizer
 
@@ -63,7 +62,8 @@ def load_state(
     replace its spec's entries)."""
     spec = read_simulation_spec(model_path)
     if spec is not None:
-        model: Any = SimulatedModel(dataclasses.replace(spec, **(override_config or {})))
+        where = "--json-model-override-args (actor_rollout_ref.model.override_config)"
+        model: Any = SimulatedModel(simulation_spec(dict(override_config or {}), where, spec))
     else:
         config = AutoConfig.from_pretrained(model_path)
         for key, value in (override_config or {}).items():

@@ -1,8 +1,11 @@
 """A simulated engine as a real `rlmesh engine` process: SGLang's /generate with token ids and
-log-probs, pause, abort and continue, and a weight push over gloo whose bytes land in its buffers."""
+log-probs, pause, abort and continue, a weight push over gloo whose bytes land in its buffers, and a
+bad spec refused at start with one line."""
 
 import asyncio
 import math
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -11,6 +14,7 @@ import torch
 from rlmesh.engine.client import EngineClient
 from rlmesh.engine.simulated import SimulatedModel, SimulationSpec, write_simulated_model
 from rlmesh.learner.weight_sync.push import WeightPusher
+from tests.support.processes import child_env
 
 SPEC = SimulationSpec(
     vocab_size=64,
@@ -51,8 +55,12 @@ def test_a_simulated_engine_serves_generate_pause_abort_and_takes_a_weight_push(
             held = asyncio.create_task(
                 client.generate([1, 2, 3], {"max_new_tokens": 30, "ignore_eos": True}, rid="held")
             )
-            while (await client.server_info()).get("waiting", 0) == 0:
-                await asyncio.sleep(0.01)
+
+            async def queued() -> None:
+                while (await client.server_info()).get("waiting", 0) == 0:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(queued(), timeout=60)  # held by the pause, not running
             assert not held.done()
             await client.abort_request("held")
             aborted = await held
@@ -71,3 +79,22 @@ def test_a_simulated_engine_serves_generate_pause_abort_and_takes_a_weight_push(
     assert list(mismatches.values()) == [[]] and info["weight_version"] == "5"
     after = httpx.post(engine.url + "/generate", json={"input_ids": [4], "sampling_params": {}}, timeout=60)
     assert after.status_code == 200 and after.json()["meta_info"]["weight_version"] == "5"
+
+
+def test_a_bad_override_stops_the_engine_with_one_line_naming_it(tmp_path):
+    model = write_simulated_model(tmp_path / "sim", SPEC)
+    argv = [sys.executable, "-m", "rlmesh.cli", "engine", "--model-path", str(model), "--port", "0"]
+    for override, named in (
+        ('{"bad": 1}', "unknown simulated-engine keys ['bad']"),
+        ('{"tokens_per_s": "x"}', "tokens_per_s float (got str 'x')"),
+    ):
+        done = subprocess.run(
+            [*argv, "--json-model-override-args", override],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("rlmesh engine: --json-model-override-args") and named in done.stderr
+        assert "Traceback" not in done.stderr

@@ -7,6 +7,7 @@ import math
 import threading
 
 import pytest
+import torch
 
 from rlmesh.engine.batching import BatchEngine, GenerationRequest
 from rlmesh.engine.runner import make_runner
@@ -15,7 +16,9 @@ from rlmesh.engine.simulated import (
     SimulatedModel,
     SimulatedRunner,
     SimulationSpec,
+    SimulationSpecError,
     read_simulation_spec,
+    simulation_spec,
     write_simulated_model,
 )
 from rlmesh.engine.weight_updates import EngineWeights
@@ -79,9 +82,27 @@ def test_the_weights_are_real_tensors_of_the_set_size_that_updates_write_into():
     model = SimulatedModel(spec)
     assert [(n, p.numel()) for n, p in model.named_parameters()] == [("w0", 2048), ("w1", 2048), ("w2", 904)]
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == 10_000
-    weights = EngineWeights(model)  # packs them in one buffer, as for a real model
     assert isinstance(make_runner(model), SimulatedRunner)
-    assert weights.model is model and model.w1.dtype.itemsize == 2
+    weights = EngineWeights(model)  # packed in one buffer, as a real model's are
+    names = ["w0", "w1", "w2"]
+    shapes = [[2048], [2048], [904]]
+    # A flattened bucket of all three lands straight in the packed bytes: the whole 10,000.
+    assert weights.direct_span(names, ["bfloat16"] * 3, shapes, "flattened_bucket") == slice(0, 10_000)
+    new = {
+        n: torch.full((k,), float(i + 1), dtype=torch.bfloat16)
+        for i, (n, (k,)) in enumerate(zip(names, shapes, strict=True))
+    }
+    weights.load(new, strict=True)
+    assert weights.get("w1", 3) == [2.0, 2.0, 2.0] and weights.get("w2", 0) == [3.0] * 904
+    assert torch.equal(model.w0, new["w0"])
+
+
+def test_a_row_due_to_end_under_min_new_tokens_goes_on_instead_of_failing(engine_of):
+    engine = engine_of(length_median=3, length_sigma=0.0)
+    out = run(engine, [[1]], SamplingParams(max_new_tokens=8, min_new_tokens=6)).sequences[0]
+    # Drawn length 3, eos masked while fewer than 6 tokens are out: 6 other tokens, then eos.
+    assert out.finish_reason == {"type": "stop", "matched": 3} and len(out.output_ids) == 7
+    assert 3 not in out.output_ids[:6]
 
 
 def test_a_model_directory_round_trips_and_a_real_one_is_not_simulated(tmp_path):
@@ -98,8 +119,18 @@ def test_an_unknown_key_or_a_bad_value_is_refused_naming_it(tmp_path):
     write_simulated_model(bad, SimulationSpec())
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "tokens_per_second": 5}))
-    with pytest.raises(ValueError, match=r"unknown simulated-engine keys \['tokens_per_second'\]"):
+    with pytest.raises(
+        SimulationSpecError, match=r"config.json: unknown simulated-engine keys \['tokens_per_second'\]"
+    ):
         read_simulation_spec(bad)
+    with pytest.raises(
+        SimulationSpecError, match=r"--flag: simulated engine: need tokens_per_s float \(got str 'x'\)"
+    ):
+        simulation_spec({"tokens_per_s": "x"}, "--flag", SimulationSpec())
+    with pytest.raises(SimulationSpecError, match=r"need weight_bytes int \(got float 1000000000.0\)"):
+        simulation_spec({"weight_bytes": 1e9}, "--flag")
+    with pytest.raises(SimulationSpecError, match=r"--flag: unknown simulated-engine keys \['bad'\]"):
+        simulation_spec({"bad": 1}, "--flag")
     with pytest.raises(ValueError, match=r"tokens_per_s > 0"):
         SimulationSpec(tokens_per_s=0)
     with pytest.raises(ValueError, match=r"length_median <= length_max"):
