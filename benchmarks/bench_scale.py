@@ -1,17 +1,18 @@
 """make bench-scale: what one step's trajectories cost Redis and the learner, from a demo-sized step
 to a 7B-shaped one (16k trajectories of up to 4k tokens), on one Redis on this machine.
 
-    python benchmarks/bench_scale.py [--points 1024x512,...,16384x4096] [--producers 8] [--push 1x64,...,64x128]
+    python benchmarks/bench_scale.py [--points 1024x512,...,16384x4096] [--producers 8] [--push 1x64,...,16x512]
 
 For each point TRAJECTORIES x RESPONSE_TOKENS: ``--producers`` processes (standing for the rollout
 replicas) publish the step's trajectories to the run's trajectory stream as replicas do (groups of
 ``--n``, a ``--prompt-tokens`` prompt, rollout and reference log-probs per response token, signed
-with a run key when ``--signed``, as a run with a token signs them), and only then the learner side collects them with the
-learner's own ``BatchCollector`` (validation included), pads them into a ``PPOBatch``
-(``build_batch``) and commits them. Publishing and collecting are timed apart, so each is the cost
-of that side alone. Per point: bytes through the stream, the time and MB/s of each side, the
-learner's CPU seconds, Redis's commands, CPU seconds and the memory the step's stream holds, and the AOF it wrote (the run's
-Redis settings: AOF on, fsync every second).
+with a run key when ``--signed``, as a run with a token signs them), and only then the learner
+side collects them with the learner's own ``BatchCollector`` (validation included), pads them
+into a ``PPOBatch`` (``build_batch``) and commits them. Publishing and collecting are timed apart,
+so each is the cost of that side alone. Per point: the trajectories' bytes, the time and MB/s of
+each side, the learner's CPU seconds, Redis's commands, bytes in and out, CPU seconds (its AOF
+rewrites' included) and the memory the step's stream holds (the run's Redis settings: AOF on,
+fsync every second, rewritten as it grows). The 16k x 4k point needs about 7 GB in the learner.
 
 Then for each ``--push`` point ENGINESxMB: that many simulated engines (``rlmesh engine`` on a
 ``SimulationSpec`` of MB of bf16 weights, real processes forked from one fork server) and the
@@ -121,9 +122,13 @@ async def redis_info(url: str) -> dict[str, float]:
         await redis.aclose()
     return {
         "commands": float(info["total_commands_processed"]),
-        "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+        # The AOF rewrite child's CPU too: it is Redis's work for the run.
+        "cpu_s": sum(
+            float(info[k])
+            for k in ("used_cpu_user", "used_cpu_sys", "used_cpu_user_children", "used_cpu_sys_children")
+        ),
         "memory": float(info["used_memory"]),
-        "aof_bytes": float(info.get("aof_current_size", 0) or 0),
+        "aof_rewrites": float(info.get("aof_rewrites", 0) or 0),
         "net_in": float(info["total_net_input_bytes"]),
         "net_out": float(info["total_net_output_bytes"]),
     }
@@ -202,10 +207,12 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
     ]
     for p in procs:
         p.start()
-    assert all(out.get()[0] == "ready" for _ in procs)  # imported and connected: the clock starts
+    # The clock starts once every producer has imported and connected.
+    if not all(out.get(timeout=300)[0] == "ready" for _ in procs):
+        raise SystemExit("a producer sent something before it was ready")
     t0 = time.perf_counter()
     start.set()
-    reports = [out.get() for _ in procs]
+    reports = [out.get(timeout=3600) for _ in procs]
     publish_s = time.perf_counter() - t0
     for p in procs:
         p.join()
@@ -217,7 +224,9 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
         "trajectories": trajectories,
         "response_tokens": response,
         "prompt_tokens": args.prompt_tokens,
-        "stream_bytes": stream_bytes,
+        "stream_bytes": stream_bytes,  # the trajectories' serialized sizes
+        "redis_in_bytes": published["net_in"] - before["net_in"],  # commands and all, as Redis read them
+        "redis_out_bytes": after["net_out"] - published["net_out"],
         "publish_s": publish_s,
         "publish_mb_s": stream_bytes / publish_s / 1e6,
         **learner,
@@ -226,7 +235,8 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
         "redis_cpu_s": after["cpu_s"] - before["cpu_s"],
         "redis_step_memory": published["memory"] - before["memory"],
         "redis_memory_after": after["memory"],
-        "aof_bytes": published["aof_bytes"] - before["aof_bytes"],
+        # Redis's own settings rewrite the AOF as it grows (100%, 64 MB): its child's CPU is counted above.
+        "aof_rewrites": after["aof_rewrites"] - before["aof_rewrites"],
     }
 
 
@@ -239,7 +249,7 @@ def push_point(
     started = [launcher.start_engine(model_dir, name=f"sim-{engines}x{mb}-{i}") for i in range(engines)]
     weights = {n: torch.randn(p.shape).to(p.dtype) for n, p in SimulatedModel(spec).named_parameters()}
 
-    async def pushes() -> list[float]:
+    async def pushes() -> tuple[list[float], int]:
         clients = [EngineClient(e.url, timeout_s=600) for e in started]
         pusher = WeightPusher(
             clients,
@@ -254,24 +264,24 @@ def push_point(
                 t0 = time.perf_counter()
                 report = await pusher.push(weights.items(), version=version)
                 seconds.append(time.perf_counter() - t0)
+                moved = report.bytes_per_engine * len(report.engines)
                 if report.failed or len(report.engines) != engines:
                     raise SystemExit(f"push {version} to {engines} engines failed on {report.failed}")
-            mismatches = await pusher.verify(dict(list(weights.items())[:2]))
+            mismatches = await pusher.verify(weights)  # the head of every tensor, read back
             if any(mismatches.values()):
                 raise SystemExit(f"engines hold other weights than pushed: {mismatches}")
         finally:
             await pusher.close()
             for c in clients:
                 await c.aclose()
-        return seconds
+        return seconds, moved
 
     try:
-        first, *warm = asyncio.run(pushes())
+        (first, *warm), moved = asyncio.run(pushes())
     finally:
         for e in started:
             launcher.stop(e.process)
     warm_s = min(warm)
-    moved = engines * (mb << 20)
     return {
         "engines": engines,
         "weight_bytes": mb << 20,

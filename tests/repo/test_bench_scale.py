@@ -1,5 +1,6 @@
 """benchmarks/bench_scale.py: a point publishes whole groups through a real Redis, the learner's
-collector takes every one of them back, and the figures it records add up."""
+collector takes every one of them back, a push reaches every simulated engine, and the figures it
+records add up."""
 
 import json
 import sys
@@ -12,11 +13,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_scale import main, parse_points
 
 
-def test_a_small_point_goes_through_redis_and_the_learners_collector(tmp_path):
-    assert (
-        main(["--points", "32x16,64x8", "--producers", "2", "--n", "4", "--signed", "--out", str(tmp_path)])
-        == 0
-    )
+def test_a_small_point_goes_through_redis_and_the_collector_and_a_push_reaches_the_engines(tmp_path):
+    argv = ["--points", "32x16,64x8", "--producers", "2", "--n", "4", "--signed", "--push", "2x4"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
     (results,) = tmp_path.glob("*/results.json")
     record = json.loads(results.read_text())
     assert "token" not in record["args"] and record["args"]["signed"] is True
@@ -25,6 +24,8 @@ def test_a_small_point_goes_through_redis_and_the_learners_collector(tmp_path):
     # 32 trajectories of a 512-token prompt with ids of 3 bytes: at least 32 x 512 x 2 bytes
     assert first["stream_bytes"] > 32 * 512 * 2 and first["redis_commands"] > 32 / 16
     assert first["publish_s"] > 0 and first["collect_s"] > 0 and first["batch_tensor_bytes"] > 0
+    (push,) = record["pushes"]  # every engine took it (the benchmark stops on a failed or wrong push)
+    assert (push["engines"], push["weight_bytes"], push["bytes_moved"]) == (2, 4 << 20, 8 << 20)
 
 
 def test_a_point_is_trajectories_x_tokens():
