@@ -38,7 +38,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_peer import as_cli, build_llama, rlmesh_timeline, stream, time_to_accuracy  # noqa: E402
+from benchmarks.bench_peer import (  # noqa: E402
+    as_cli,
+    build_llama,
+    lift_significant,
+    rlmesh_timeline,
+    stream,
+    time_to_accuracy,
+)
 
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"rlmesh.max_staleness": 0},
@@ -59,6 +66,7 @@ LR_HELP = "the actor's learning rate (10%% warm-up, cosine to a tenth)"
 BATCH, N = 32, 4
 MINI_BATCH = BATCH // 2  # prompts per optimizer step: two a step
 RESPONSE_LENGTH, PROMPT_LENGTH = 96, 192
+FINAL_EVALS = 2  # a run's final accuracy is the mean of its last two evaluations
 # The task: chains of up to 24 steps of +-1..3 from 0..9 (answers of 8 to 88 characters, median 21).
 CHAIN = {
     "train_size": 4000,
@@ -68,6 +76,7 @@ CHAIN = {
     "max_delta": 3,
     "max_start": 9,
 }
+TEST_PROMPTS = CHAIN["val_size"]  # the held-out split every evaluation scores, greedy
 
 
 def say(msg: str) -> None:
@@ -234,27 +243,48 @@ def run_mode(
         "occupancy_mean": statistics.fmean(per_engine) if per_engine else None,
         "idle_share": sum(v == 0 for v in per_engine) / len(per_engine) if per_engine else None,
         "occupancy": sampler.samples,
-        "final_acc": statistics.fmean(e["acc"] for e in evals[-2:]) if evals else None,
+        "final_acc": statistics.fmean(e["acc"] for e in evals[-FINAL_EVALS:]) if evals else None,
     }
+
+
+def times_to_reference(
+    reference: dict[str, Any] | None, runs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, tuple[float | None, float | None]]]:
+    """The reference run's final accuracy as the target, when it ended above its start; each run's
+    training time to the first running mean of ``FINAL_EVALS`` evaluations at or above it (the
+    mean the final accuracy is: reaching the level, not one evaluation's lucky swing) and its ratio
+    to the reference's own. ``significant``: the reference's lift is more than two standard errors
+    of a greedy evaluation on the test prompts; if not, the times measure noise."""
+    start = reference["evals"][0]["acc"] if reference and reference["evals"] else None
+    target = (
+        reference["final_acc"] if reference and start is not None and reference["final_acc"] > start else None
+    )
+    significant = target is not None and lift_significant(start, target, TEST_PROMPTS)
+    base = (
+        time_to_accuracy(reference["evals"], target, FINAL_EVALS)
+        if reference and target is not None
+        else None
+    )
+    times = {}
+    for name, r in runs.items():
+        reached = time_to_accuracy(r["evals"], target, FINAL_EVALS) if target is not None else None
+        ratio = reached["train_s"] / base["train_s"] if reached and base and base["train_s"] else None
+        times[name] = (reached and reached["train_s"], ratio)
+    return {"target_acc": target, "significant": significant}, times
 
 
 def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per seed and mode: time to that seed's synchronous final accuracy and its ratio to sync's."""
     out: dict[str, Any] = {}
     for seed, modes in results.items():
-        sync = modes.get("sync")
-        start = sync["evals"][0]["acc"] if sync and sync["evals"] else None
-        # A synchronous run that ends no higher than it started leaves nothing to reach.
-        target = sync["final_acc"] if sync and start is not None and sync["final_acc"] > start else None
-        base = time_to_accuracy(sync["evals"], target) if sync and target is not None else None
+        reference, times = times_to_reference(modes.get("sync"), modes)
         for mode, r in modes.items():
-            reached = time_to_accuracy(r["evals"], target) if target is not None else None
-            ratio = reached["train_s"] / base["train_s"] if reached and base and base["train_s"] else None
             out.setdefault(seed, {})[mode] = {
                 "final_acc": r["final_acc"],
                 "train_s": r["train_s"],
-                "to_sync_final_s": reached and reached["train_s"],
-                "ratio_to_sync": ratio,
+                "to_sync_final_s": times[mode][0],
+                "ratio_to_sync": times[mode][1],
+                "sync_lift_significant": reference["significant"],
                 "tokens_per_s": r["tokens_per_s"],
                 "occupancy_mean": r["occupancy_mean"],
                 "idle_share": r["idle_share"],
@@ -308,6 +338,42 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(summary: dict[str, Any], steps: int, seeds: str) -> None:
+    """The table and the verdicts of a run's summary."""
+    modes = list(dict.fromkeys(m for s in summary.values() for m in s))
+    print()
+    print(f"  bench-async: {steps} GRPO steps of {BATCH} prompts x {N}, seeds {seeds}")
+    print()
+    print(table(summary))
+    ratios = [s["partial"]["ratio_to_sync"] for s in summary.values() if "partial" in s]
+    if ratios and "sync" in modes:
+        met = all(r is not None and r <= PARTIAL_RATIO_TARGET for r in ratios)
+        print(
+            f"\n  partial + in-flight to the synchronous final accuracy: "
+            f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of sync's time; "
+            f"target <= {PARTIAL_RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
+            + (
+                "; '-': sync ended no higher than it started, or partial never reached it"
+                if None in ratios
+                else ""
+            )
+        )
+        noise = [
+            seed for seed, s in summary.items() if "sync" in s and not s["sync"]["sync_lift_significant"]
+        ]
+        if noise:
+            print(
+                f"  seeds {', '.join(noise)}: sync's lift is within two standard errors: those times measure noise"
+            )
+        for mode in (m for m in modes if m != "sync"):
+            speed = [
+                s[mode]["tokens_per_s"] / s["sync"]["tokens_per_s"] for s in summary.values() if mode in s
+            ]
+            print(
+                f"  {mode}: generated tokens per second of training {', '.join(f'{x:.2f}x' for x in speed)} sync's"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
@@ -320,7 +386,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--sft-max-epochs", type=int, default=40)
     p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
+    p.add_argument(
+        "--summarize", metavar="RESULTS_JSON", help="print the table of a finished run's results.json again"
+    )
     args = p.parse_args(argv)
+    if args.summarize:
+        record = json.loads(Path(args.summarize).read_text())
+        report(summarize(record["results"]), record["args"]["steps"], record["args"]["seeds"])
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
         p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")
@@ -338,30 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = {"args": vars(args), "sft": prep["sft"], "summary": summary, "results": results}
             (outdir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     plot(results, outdir / "occupancy.png")
-    print()
-    print(f"  bench-async: {args.steps} GRPO steps of {BATCH} prompts x {N}, seeds {args.seeds}")
-    print()
-    print(table(summary))
-    ratios = [s["partial"]["ratio_to_sync"] for s in summary.values() if "partial" in s]
-    if ratios and "sync" in modes:
-        met = all(r is not None and r <= PARTIAL_RATIO_TARGET for r in ratios)
-        print(
-            f"\n  partial + in-flight to the synchronous final accuracy: "
-            f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of sync's time; "
-            f"target <= {PARTIAL_RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
-            + (
-                "; '-': sync ended no higher than it started, or partial never reached it"
-                if None in ratios
-                else ""
-            )
-        )
-        for mode in (m for m in modes if m != "sync"):
-            speed = [
-                s[mode]["tokens_per_s"] / s["sync"]["tokens_per_s"] for s in summary.values() if mode in s
-            ]
-            print(
-                f"  {mode}: generated tokens per second of training {', '.join(f'{x:.2f}x' for x in speed)} sync's"
-            )
+    report(summary, args.steps, args.seeds)
     print(
         f"\n  everything took {time.monotonic() - t0:.0f} s; results: {outdir / 'results.json'}, plot: occupancy.png"
     )

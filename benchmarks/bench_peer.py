@@ -290,6 +290,15 @@ def time_to_accuracy(
     return None
 
 
+def lift_significant(start: float, final: float, prompts: int, samples: int = 1) -> bool:
+    """Whether ``final`` is more than two standard errors above ``start``. The test prompts are
+    fixed, so the noise of an evaluation is its sampling's: at most p(1 - p) / (prompts x answers
+    per prompt); a greedy one counts one answer per prompt. Otherwise a time to ``final`` measures
+    noise."""
+    se = (max(start * (1 - start), 1e-6) / (prompts * max(samples, 1))) ** 0.5
+    return final - start > 2 * se
+
+
 def rlmesh_timeline(rows: Sequence[dict[str, float]]) -> tuple[list[dict[str, float]], list[float], float]:
     """From a run's metrics.jsonl rows: the evaluations (step, accuracy, training time up to that
     step), each step's time, and the time the evaluations took. A step's work ends at
@@ -342,11 +351,7 @@ def summarize(
     trl_tta = time_to_accuracy(trl["evals"], target, window) if target is not None else None
     out: dict[str, Any] = {"target_acc": target, "window": window, "trl_lift_significant": None, "runs": {}}
     if target is not None:
-        # The test prompts are fixed, so the noise of an evaluation is its sampling's: at most
-        # p(1 - p) / (prompts x answers per prompt); a greedy one counts one answer per prompt.
-        start = trl["evals"][0]["acc"]
-        se = (max(start * (1 - start), 1e-6) / (test_prompts * max(samples, 1))) ** 0.5
-        out["trl_lift_significant"] = target - start > 2 * se
+        out["trl_lift_significant"] = lift_significant(trl["evals"][0]["acc"], target, test_prompts, samples)
     trl_median = statistics.median(trl["step_s"]) if trl and trl["step_s"] else None
     trl_tta_median = trl_tta["step"] * trl_median if trl_tta is not None and trl_median else None
     for name, r in results.items():

@@ -42,8 +42,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.bench_async import BATCH, LR_HELP, MINI_BATCH, MODES, RESPONSE_LENGTH, N, prepare, run_mode  # noqa: E402
-from benchmarks.bench_peer import stream, time_to_accuracy  # noqa: E402
+from benchmarks.bench_async import (  # noqa: E402
+    BATCH,
+    FINAL_EVALS,
+    LR_HELP,
+    MINI_BATCH,
+    MODES,
+    RESPONSE_LENGTH,
+    N,
+    prepare,
+    run_mode,
+    times_to_reference,
+)
+from benchmarks.bench_peer import stream  # noqa: E402
 
 PEER_TRL_GRPO = REPO / "benchmarks" / "peer_trl_grpo.py"
 RUNS = ("trl", *MODES)
@@ -102,7 +113,7 @@ def run_trl(prep: dict[str, Any], seed: int, args: argparse.Namespace, outdir: P
         "train_s": r["train_s"],
         "eval_s": r["eval_s"],
         "process_s": wall,
-        "final_acc": statistics.fmean(e["acc"] for e in evals[-2:]),
+        "final_acc": statistics.fmean(e["acc"] for e in evals[-FINAL_EVALS:]),
         "trl_version": r["trl_version"],
     }
 
@@ -111,21 +122,17 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per seed and run: time to that seed's TRL final accuracy and its ratio to TRL's own."""
     out: dict[str, Any] = {}
     for seed, runs in results.items():
-        trl = runs.get("trl")
-        start = trl["evals"][0]["acc"] if trl and trl["evals"] else None
-        target = trl["final_acc"] if trl and start is not None and trl["final_acc"] > start else None
-        base = time_to_accuracy(trl["evals"], target) if target is not None else None
+        reference, times = times_to_reference(runs.get("trl"), runs)
         for run, r in runs.items():
             last_step = r["evals"][-1]["step"] if r["evals"] else 0
-            reached = time_to_accuracy(r["evals"], target) if target is not None else None
-            ratio = reached["train_s"] / base["train_s"] if reached and base and base["train_s"] else None
             out.setdefault(seed, {})[run] = {
                 "start_acc": r["evals"][0]["acc"] if r["evals"] else None,
                 "final_acc": r["final_acc"],
                 "train_s": r["train_s"],
                 "s_per_step": r["train_s"] / last_step if last_step else None,
-                "to_trl_final_s": reached and reached["train_s"],
-                "ratio_to_trl": ratio,
+                "to_trl_final_s": times[run][0],
+                "ratio_to_trl": times[run][1],
+                "trl_lift_significant": reference["significant"],
             }
     return out
 
@@ -148,6 +155,32 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report(summary: dict[str, Any], steps: int, seeds: str) -> None:
+    """The table and the verdicts of a run's summary."""
+    runs = list(dict.fromkeys(r for s in summary.values() for r in s))
+    print()
+    print(f"  bench-peer-grpo: {steps} GRPO steps of {BATCH} prompts x {N}, seeds {seeds}")
+    print()
+    print(table(summary))
+    for run in (r for r in runs if r != "trl"):
+        ratios = [s[run]["ratio_to_trl"] for s in summary.values() if run in s]
+        if "trl" in runs and ratios:
+            met = all(r is not None and r <= RATIO_TARGET for r in ratios)
+            print(
+                f"\n  rlmesh {run} to TRL's final accuracy: "
+                f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of TRL's time; "
+                f"target <= {RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
+            )
+    noise = [seed for seed, s in summary.items() if "trl" in s and not s["trl"]["trl_lift_significant"]]
+    if noise:
+        print(
+            f"  seeds {', '.join(noise)}: TRL's lift is within two standard errors: those times measure noise"
+        )
+    for run in (r for r in runs if r != "trl" and "trl" in runs):
+        per_step = [s[run]["s_per_step"] / s["trl"]["s_per_step"] for s in summary.values() if run in s]
+        print(f"  rlmesh {run}: {', '.join(f'{x:.2f}x' for x in per_step)} TRL's time per step")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1", help="the seeds of the runs (the data and SFT are seed 0's)")
@@ -160,7 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sft-band", type=float, default=0.3)
     p.add_argument("--sft-max-epochs", type=int, default=40)
     p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
+    p.add_argument(
+        "--summarize", metavar="RESULTS_JSON", help="print the table of a finished run's results.json again"
+    )
     args = p.parse_args(argv)
+    if args.summarize:
+        record = json.loads(Path(args.summarize).read_text())
+        report(summarize(record["results"]), record["args"]["steps"], record["args"]["seeds"])
+        return 0
     runs = [r for r in args.runs.split(",") if r]
     if bad := [r for r in runs if r not in RUNS]:
         p.error(f"unknown runs {bad}; known: {', '.join(RUNS)}")
@@ -183,19 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = summarize(results)
             record = {"args": vars(args), "sft": prep["sft"], "summary": summary, "results": results}
             (outdir / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    print()
-    print(f"  bench-peer-grpo: {args.steps} GRPO steps of {BATCH} prompts x {N}, seeds {args.seeds}")
-    print()
-    print(table(summary))
-    for run in (r for r in runs if r != "trl"):
-        ratios = [s[run]["ratio_to_trl"] for s in summary.values() if run in s]
-        if "trl" in runs and ratios:
-            met = all(r is not None and r <= RATIO_TARGET for r in ratios)
-            print(
-                f"\n  rlmesh {run} to TRL's final accuracy: "
-                f"{', '.join('-' if r is None else f'{r:.2f}x' for r in ratios)} of TRL's time; "
-                f"target <= {RATIO_TARGET}x on every seed: {'met' if met else 'NOT met'}"
-            )
+    report(summary, args.steps, args.seeds)
     print(f"\n  everything took {time.monotonic() - t0:.0f} s; results: {outdir / 'results.json'}")
     return 0
 

@@ -59,10 +59,12 @@ def test_each_run_is_timed_to_trls_final_accuracy_and_no_ratio_where_trl_did_not
         "1": {"trl": run([0.3, 0.2, 0.3]), "sync": run([0.3, 0.4, 0.5])},
     }
     s = summarize(results)
-    # seed 0: TRL's final is 0.45, reached at its step 15 (300 s); sync gets 0.45 at step 5 (50 s)
+    # seed 0: TRL's final (its last two) is 0.45, its running mean of two there at step 15 (300 s);
+    # sync's at step 10, (0.45 + 0.5) / 2, after 100 s
     assert s["0"]["trl"]["to_trl_final_s"] == 300.0 and s["0"]["trl"]["ratio_to_trl"] == 1.0
-    assert s["0"]["sync"]["to_trl_final_s"] == 50.0
-    assert s["0"]["sync"]["ratio_to_trl"] == pytest.approx(50 / 300)
+    assert s["0"]["sync"]["to_trl_final_s"] == 100.0
+    assert s["0"]["sync"]["ratio_to_trl"] == pytest.approx(100 / 300)
+    assert s["0"]["trl"]["trl_lift_significant"] is True  # 0.25 over 128 prompts
     assert s["0"]["sync"]["s_per_step"] == pytest.approx(10.0)
     # seed 1: TRL ends at 0.25, below its start of 0.3: nothing to reach, so no ratio at all
     assert s["1"]["sync"]["ratio_to_trl"] is None and s["1"]["trl"]["ratio_to_trl"] is None
