@@ -129,8 +129,14 @@ class PPOBatch:
         )
 
 
+def _values(values: Sequence[float] | Sequence[int]) -> np.ndarray:
+    """A repeated field as an array: numpy reads protobuf's repeated scalars in one C copy, where a
+    Python loop over them costs ~30 ns a value (16k trajectories of 4k tokens: tens of seconds)."""
+    return np.asarray(values)
+
+
 def _finite(values: Sequence[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
+    return bool(np.isfinite(_values(values)).all())
 
 
 def _problem(t: Trajectory) -> tuple[str, str] | None:
@@ -148,7 +154,7 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
     if len(t.prompt_ids) == 0:
         return "prompt_ids", "the prompt is empty"
     for name in ("prompt_ids", "response_ids"):
-        if min(getattr(t, name)) < 0:
+        if _values(getattr(t, name)).min() < 0:
             return name, "holds a negative token id"
     for name in ("rollout_log_probs", "ref_log_probs"):
         values = getattr(t, name)
@@ -160,10 +166,11 @@ def _problem(t: Trajectory) -> tuple[str, str] | None:
     if len(versions):
         if len(versions) != n:
             return "token_policy_versions", f"has {len(versions)} values for {n} response tokens"
-        if min(versions) < t.policy_version:
+        oldest = int(_values(versions).min())
+        if oldest < t.policy_version:
             return (
                 "token_policy_versions",
-                f"a token of version {min(versions)}, older than the trajectory's policy_version "
+                f"a token of version {oldest}, older than the trajectory's policy_version "
                 f"{t.policy_version}, which must be the oldest",
             )
     return None
@@ -185,7 +192,7 @@ def _bounds_problem(
             return name, f"{len(getattr(t, name))} tokens, more than the configured {limit}"
     if vocab_size is not None:
         for name in ("prompt_ids", "response_ids"):
-            top = max(getattr(t, name))
+            top = int(_values(getattr(t, name)).max())
             if top >= vocab_size:
                 return name, f"holds token id {top}, outside the vocabulary of {vocab_size}"
     scores = [("score", t.score)]
@@ -195,8 +202,8 @@ def _bounds_problem(
         if not math.isfinite(value) or abs(value) > MAX_ABS_SCORE:
             return name, f"{value} is not a finite value within +-{MAX_ABS_SCORE:g}"
     for name in ("rollout_log_probs", "ref_log_probs"):
-        values = getattr(t, name)
-        if len(values) and (max(values) > LOG_PROB_SLACK or min(values) < MIN_LOG_PROB):
+        values = _values(getattr(t, name))
+        if len(values) and (values.max() > LOG_PROB_SLACK or values.min() < MIN_LOG_PROB):
             return name, f"holds a value outside [{MIN_LOG_PROB:g}, 0]: not a log-probability"
     return None
 
@@ -346,24 +353,30 @@ def build_batch(
             raise BatchError(t.uid, "response_ids", f"{lr} tokens exceed max_response_length={width_r}")
 
     bs = len(trajectories)
-    prompts = torch.full((bs, width_p), pad_token_id, dtype=torch.long)
-    responses = torch.full((bs, width_r), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((bs, width_p), dtype=torch.long)
-    response_mask = torch.zeros((bs, width_r), dtype=torch.long)
-    rollout_log_probs = torch.zeros((bs, width_r), dtype=torch.float32)
-    ref_log_probs = torch.zeros((bs, width_r), dtype=torch.float32) if with_ref else None
-    has_rollout = torch.zeros(bs, dtype=torch.bool)
+    # Filled as numpy arrays (row slices take a repeated field without a Python loop), then shared.
+    prompts_np = np.full((bs, width_p), pad_token_id, dtype=np.int64)
+    responses_np = np.full((bs, width_r), pad_token_id, dtype=np.int64)
+    prompt_mask_np = np.zeros((bs, width_p), dtype=np.int64)
+    response_mask_np = np.zeros((bs, width_r), dtype=np.int64)
+    rollout_np = np.zeros((bs, width_r), dtype=np.float32)
+    ref_np = np.zeros((bs, width_r), dtype=np.float32) if with_ref else None
+    has_rollout_np = np.zeros(bs, dtype=bool)
     for i, t in enumerate(trajectories):
         lp, lr = prompt_lens[i], response_lens[i]
-        prompts[i, width_p - lp :] = torch.tensor(list(t.prompt_ids), dtype=torch.long)
-        prompt_mask[i, width_p - lp :] = 1
-        responses[i, :lr] = torch.tensor(list(t.response_ids), dtype=torch.long)
-        response_mask[i, :lr] = 1
+        prompts_np[i, width_p - lp :] = _values(t.prompt_ids)
+        prompt_mask_np[i, width_p - lp :] = 1
+        responses_np[i, :lr] = _values(t.response_ids)
+        response_mask_np[i, :lr] = 1
         if len(t.rollout_log_probs):
-            rollout_log_probs[i, :lr] = torch.tensor(list(t.rollout_log_probs), dtype=torch.float32)
-            has_rollout[i] = True
-        if ref_log_probs is not None:
-            ref_log_probs[i, :lr] = torch.tensor(list(t.ref_log_probs), dtype=torch.float32)
+            rollout_np[i, :lr] = _values(t.rollout_log_probs)
+            has_rollout_np[i] = True
+        if ref_np is not None:
+            ref_np[i, :lr] = _values(t.ref_log_probs)
+    prompts, responses = torch.from_numpy(prompts_np), torch.from_numpy(responses_np)
+    prompt_mask, response_mask = torch.from_numpy(prompt_mask_np), torch.from_numpy(response_mask_np)
+    rollout_log_probs = torch.from_numpy(rollout_np)
+    ref_log_probs = torch.from_numpy(ref_np) if ref_np is not None else None
+    has_rollout = torch.from_numpy(has_rollout_np)
 
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     scores = torch.tensor([t.score for t in trajectories], dtype=torch.float32)
