@@ -441,9 +441,9 @@ def batch_metrics(
 def token_policy_versions(trajectories: Sequence[Trajectory], width: int) -> np.ndarray:
     """(bs, width) int64: the version that sampled each response token (``token_policy_versions``,
     else the trajectory's ``policy_version`` for all of it); padding holds the row's last value."""
-    out = np.zeros((len(trajectories), width), dtype=np.int64)
+    versions_of = np.array([t.policy_version for t in trajectories], dtype=np.int64)
+    out = np.repeat(versions_of[:, None], width, axis=1)  # one write, not a row at a time
     for i, t in enumerate(trajectories):
-        out[i, :] = t.policy_version
         if len(t.token_policy_versions):
             versions = np.asarray(t.token_policy_versions, dtype=np.int64)
             out[i, : len(versions)] = versions
