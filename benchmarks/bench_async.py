@@ -292,22 +292,38 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def table(summary: dict[str, Any]) -> str:
+def seed_table(summary: dict[str, Any], label: str, columns: Sequence[tuple[str, str, str]]) -> str:
+    """A Markdown table of a summary (seed -> name -> row): one line per seed and name, ``columns``
+    as (header, the row's key, format spec); a missing value is "-"."""
+
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [
-        "| seed | mode | final acc | train s | to sync's final, s | ratio | tokens/s | seqs decoding | engine idle |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| seed | {label} | " + " | ".join(h for h, _, _ in columns) + " |",
+        "|" + "---|" * (len(columns) + 2),
     ]
-    for seed, modes in summary.items():
-        for mode, s in modes.items():
+    for seed, rows in summary.items():
+        for name, row in rows.items():
             lines.append(
-                f"| {seed} | {mode} | {f(s['final_acc'], '.1%')} | {f(s['train_s'], '.0f')} | "
-                f"{f(s['to_sync_final_s'], '.0f')} | {f(s['ratio_to_sync'], '.2f')} | {f(s['tokens_per_s'], '.0f')} | "
-                f"{f(s['occupancy_mean'], '.1f')} | {f(s['idle_share'], '.0%')} |"
+                f"| {seed} | {name} | " + " | ".join(f(row[k], spec) for _, k, spec in columns) + " |"
             )
     return "\n".join(lines)
+
+
+COLUMNS = (
+    ("final acc", "final_acc", ".1%"),
+    ("train s", "train_s", ".0f"),
+    ("to sync's final, s", "to_sync_final_s", ".0f"),
+    ("ratio", "ratio_to_sync", ".2f"),
+    ("tokens/s", "tokens_per_s", ".0f"),
+    ("seqs decoding", "occupancy_mean", ".1f"),
+    ("engine idle", "idle_share", ".0%"),
+)
+
+
+def table(summary: dict[str, Any]) -> str:
+    return seed_table(summary, "mode", COLUMNS)
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
@@ -374,13 +390,10 @@ def report(summary: dict[str, Any], steps: int, seeds: str) -> None:
             )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
-    p.add_argument("--steps", type=int, default=100, help="GRPO steps of every run")
-    p.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}, in order")
+def add_run_options(p: argparse.ArgumentParser, workdir_help: str) -> None:
+    """The options bench-async and bench-peer-grpo share: rlmesh's runs and the SFT start."""
     p.add_argument("--lr", type=float, default=1e-4, help=LR_HELP)
-    p.add_argument("--workdir", default="runs/bench-async")
+    p.add_argument("--workdir", default="runs/bench-async", help=workdir_help)
     p.add_argument(
         "--sft-band", type=float, default=0.3, help="warm up until greedy dev accuracy reaches this"
     )
@@ -389,11 +402,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--summarize", metavar="RESULTS_JSON", help="print the table of a finished run's results.json again"
     )
+
+
+def summarize_again(path: str, summarize_results: Any, report_summary: Any) -> int:
+    """``--summarize``: the table and verdicts of a finished run, from its results.json."""
+    record = json.loads(Path(path).read_text())
+    report_summary(summarize_results(record["results"]), record["args"]["steps"], record["args"]["seeds"])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2", help="the seeds of the runs (the data and SFT are seed 0's)")
+    p.add_argument("--steps", type=int, default=100, help="GRPO steps of every run")
+    p.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}, in order")
+    add_run_options(p, workdir_help="where the SFT start and the runs go")
     args = p.parse_args(argv)
     if args.summarize:
-        record = json.loads(Path(args.summarize).read_text())
-        report(summarize(record["results"]), record["args"]["steps"], record["args"]["seeds"])
-        return 0
+        return summarize_again(args.summarize, summarize, report)
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
         p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")

@@ -45,13 +45,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_async import (  # noqa: E402
     BATCH,
     FINAL_EVALS,
-    LR_HELP,
     MINI_BATCH,
     MODES,
     RESPONSE_LENGTH,
     N,
+    add_run_options,
     prepare,
     run_mode,
+    seed_table,
+    summarize_again,
     times_to_reference,
 )
 from benchmarks.bench_peer import stream  # noqa: E402
@@ -137,22 +139,18 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def table(summary: dict[str, Any]) -> str:
-    def f(v: Any, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
+COLUMNS = (
+    ("start acc", "start_acc", ".1%"),
+    ("final acc", "final_acc", ".1%"),
+    ("train s", "train_s", ".0f"),
+    ("s/step", "s_per_step", ".2f"),
+    ("to TRL's final, s", "to_trl_final_s", ".0f"),
+    ("ratio to TRL", "ratio_to_trl", ".2f"),
+)
 
-    lines = [
-        "| seed | run | start acc | final acc | train s | s/step | to TRL's final, s | ratio to TRL |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for seed, runs in summary.items():
-        for run, s in runs.items():
-            lines.append(
-                f"| {seed} | {run} | {f(s['start_acc'], '.1%')} | {f(s['final_acc'], '.1%')} | "
-                f"{f(s['train_s'], '.0f')} | {f(s['s_per_step'], '.2f')} | {f(s['to_trl_final_s'], '.0f')} | "
-                f"{f(s['ratio_to_trl'], '.2f')} |"
-            )
-    return "\n".join(lines)
+
+def table(summary: dict[str, Any]) -> str:
+    return seed_table(summary, "run", COLUMNS)
 
 
 def report(summary: dict[str, Any], steps: int, seeds: str) -> None:
@@ -186,21 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1", help="the seeds of the runs (the data and SFT are seed 0's)")
     p.add_argument("--steps", type=int, default=100, help="GRPO steps of every run")
     p.add_argument("--runs", default="trl,stale1,partial", help=f"any of {', '.join(RUNS)}, in order")
-    p.add_argument("--lr", type=float, default=1e-4, help=LR_HELP)
-    p.add_argument("--workdir", default="runs/bench-async", help="shared with bench-async: one SFT start")
     p.add_argument("--trl-python", default=".venv-trl-grpo/bin/python")
     p.add_argument("--trl-threads", type=int, default=1, help="TRL's torch threads")
-    p.add_argument("--sft-band", type=float, default=0.3)
-    p.add_argument("--sft-max-epochs", type=int, default=40)
-    p.add_argument("--sample-every", type=float, default=0.5, help="seconds between occupancy samples")
-    p.add_argument(
-        "--summarize", metavar="RESULTS_JSON", help="print the table of a finished run's results.json again"
-    )
+    add_run_options(p, workdir_help="shared with bench-async: one SFT start")
     args = p.parse_args(argv)
     if args.summarize:
-        record = json.loads(Path(args.summarize).read_text())
-        report(summarize(record["results"]), record["args"]["steps"], record["args"]["seeds"])
-        return 0
+        return summarize_again(args.summarize, summarize, report)
     runs = [r for r in args.runs.split(",") if r]
     if bad := [r for r in runs if r not in RUNS]:
         p.error(f"unknown runs {bad}; known: {', '.join(RUNS)}")

@@ -14,7 +14,6 @@ not counted; neither is the start-up (imports, loading the models).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_reward import score_answer  # noqa: E402  (the rule rlmesh scores with too)
-from peer_trl_common import Recorder, load_task, load_tokenizer, say  # noqa: E402
+from peer_trl_common import Recorder, add_task_options, load_task, load_tokenizer, say, train_and_record  # noqa: E402
 
 
 class _RuleScorer(nn.Module):
@@ -73,15 +72,7 @@ class RuleReward(nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="the SFT checkpoint (model and tokenizer)")
-    p.add_argument("--train", required=True)
-    p.add_argument("--test", required=True)
-    p.add_argument("--out", required=True, help="JSON result file")
-    p.add_argument("--workdir", default=None, help="TRL's output_dir (nothing is saved there)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--eval-samples", type=int, default=8, help="sampled answers per test prompt (avg@k)")
-    p.add_argument("--seed", type=int, default=0)
+    add_task_options(p, steps=100, eval_samples=8, eval_help="sampled answers per test prompt (avg@k)")
     p.add_argument("--batch", type=int, default=64, help="prompts per PPO step (n = 1)")
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--ppo-epochs", type=int, default=4)
@@ -168,30 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.steps} steps of {a.batch} prompts, {a.ppo_epochs} epochs x {a.mini_batches} mini-batches, "
         f"lr {a.lr:g}, kl_coef {a.kl_coef:g}"
     )
-    e0 = recorder.evaluate(0)
-    setup_s = time.monotonic() - T_START - recorder.eval_s
-    say(
-        f"step   0/{a.steps}  val avg@{a.eval_samples}/greedy {e0['sampled']:.3f} / {e0['greedy']:.3f}  "
-        f"(start-up {setup_s:.0f} s, not counted)"
-    )
-    recorder.mark = time.monotonic()
-    trainer.train()
-    result = {
-        "system": "trl",
-        "trl_version": trl.__version__,
-        "steps": len(recorder.steps),
-        "train_s": recorder.train_s,
-        "eval_s": recorder.eval_s,
-        "setup_s": setup_s,
-        "process_s": time.monotonic() - T_START,
-        "step_log": recorder.steps,
-        "evals": recorder.evals,
-        "params": params,
-        "knobs": {k: v for k, v in vars(a).items() if k not in ("model", "train", "test", "out", "workdir")},
-    }
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    say(f"done: {len(recorder.steps)} steps, train {recorder.train_s:.0f} s, eval {recorder.eval_s:.0f} s")
-    return 0
+    return train_and_record(trainer, recorder, a, "trl", T_START)
 
 
 if __name__ == "__main__":

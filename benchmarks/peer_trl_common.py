@@ -6,8 +6,10 @@ only: it runs in either TRL venv."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -168,3 +170,50 @@ class Recorder(TrainerCallback):
             f"{took:.2f} s/step  [train {self.train_s:.0f} s, eta {eta:.0f} s]"
         )
         self.mark = time.monotonic()
+
+
+def train_and_record(
+    trainer: Any, recorder: Recorder, a: argparse.Namespace, system: str, t_start: float
+) -> int:
+    """Scores the start, trains, and writes the result file ``a.out``: the steps' times and metrics,
+    the evaluations, the start-up (from ``t_start``, the process's first line) and the knobs."""
+    import trl
+
+    params = sum(x.numel() for x in recorder.policy.parameters())
+    e0 = recorder.evaluate(0)
+    setup_s = time.monotonic() - t_start - recorder.eval_s
+    k = a.eval_samples
+    val = f"avg@{k}/greedy {e0['sampled']:.3f} / {e0['greedy']:.3f}" if k else f"greedy {e0['greedy']:.3f}"
+    say(f"step   0/{a.steps}  val {val}  (start-up {setup_s:.0f} s, not counted)")
+    recorder.mark = time.monotonic()
+    trainer.train()
+    result = {
+        "system": system,
+        "trl_version": trl.__version__,
+        "steps": len(recorder.steps),
+        "train_s": recorder.train_s,
+        "eval_s": recorder.eval_s,
+        "setup_s": setup_s,
+        "process_s": time.monotonic() - t_start,
+        "step_log": recorder.steps,
+        "evals": recorder.evals,
+        "params": params,
+        "knobs": {k: v for k, v in vars(a).items() if k not in ("model", "train", "test", "out", "workdir")},
+    }
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    say(f"done: {len(recorder.steps)} steps, train {recorder.train_s:.0f} s, eval {recorder.eval_s:.0f} s")
+    return 0
+
+
+def add_task_options(p: argparse.ArgumentParser, steps: int, eval_samples: int, eval_help: str) -> None:
+    """The options both TRL sides take: the start, the task's files, the result file, steps, seed
+    and the evaluation."""
+    p.add_argument("--model", required=True, help="the SFT checkpoint (model and tokenizer)")
+    p.add_argument("--train", required=True)
+    p.add_argument("--test", required=True)
+    p.add_argument("--out", required=True, help="JSON result file")
+    p.add_argument("--workdir", default=None, help="TRL's output_dir (nothing is saved there)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-samples", type=int, default=eval_samples, help=eval_help)
+    p.add_argument("--seed", type=int, default=0)

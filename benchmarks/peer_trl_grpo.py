@@ -14,7 +14,6 @@ evaluation (greedy on the test split) and the start-up are timed apart.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,7 +34,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "libs"))
-from peer_trl_common import Recorder, load_task, load_tokenizer, say  # noqa: E402
+from peer_trl_common import Recorder, add_task_options, load_task, load_tokenizer, say, train_and_record  # noqa: E402
 
 from rlmesh.reward.arithmetic import compute_score  # noqa: E402  (rlmesh's chain reward, stdlib only)
 
@@ -51,15 +50,7 @@ def chain_reward(completions: list[str], ground_truth: list[str], **_: object) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="the SFT checkpoint (model and tokenizer)")
-    p.add_argument("--train", required=True)
-    p.add_argument("--test", required=True)
-    p.add_argument("--out", required=True, help="JSON result file")
-    p.add_argument("--workdir", default=None, help="TRL's output_dir (nothing is saved there)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--eval-samples", type=int, default=0, help="0: greedy accuracy, as rlmesh's validation")
-    p.add_argument("--seed", type=int, default=0)
+    add_task_options(p, steps=100, eval_samples=0, eval_help="0: greedy accuracy, as rlmesh's validation")
     p.add_argument("--batch", type=int, default=32, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="answers per prompt (a GRPO group)")
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per generation")
@@ -147,27 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         f"policy {params / 1e6:.2f}M parameters; {len(train)} train / {len(test)} test prompts; "
         f"{a.steps} steps of {a.batch} prompts x {a.n}, {a.mini_batches} mini-batches, lr {a.lr:g}"
     )
-    e0 = recorder.evaluate(0)
-    setup_s = time.monotonic() - T_START - recorder.eval_s
-    say(f"step   0/{a.steps}  val greedy {e0['greedy']:.3f}  (start-up {setup_s:.0f} s, not counted)")
-    recorder.mark = time.monotonic()
-    trainer.train()
-    result = {
-        "system": "trl-grpo",
-        "trl_version": trl.__version__,
-        "steps": len(recorder.steps),
-        "train_s": recorder.train_s,
-        "eval_s": recorder.eval_s,
-        "setup_s": setup_s,
-        "process_s": time.monotonic() - T_START,
-        "step_log": recorder.steps,
-        "evals": recorder.evals,
-        "params": params,
-        "knobs": {k: v for k, v in vars(a).items() if k not in ("model", "train", "test", "out", "workdir")},
-    }
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
-    say(f"done: {len(recorder.steps)} steps, train {recorder.train_s:.0f} s, eval {recorder.eval_s:.0f} s")
-    return 0
+    return train_and_record(trainer, recorder, a, "trl-grpo", T_START)
 
 
 if __name__ == "__main__":
