@@ -40,7 +40,15 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_reward import score_answer  # noqa: E402  (the rule rlmesh scores with too)
-from peer_trl_common import Recorder, add_task_options, load_task, load_tokenizer, say, train_and_record  # noqa: E402
+from peer_trl_common import (  # noqa: E402
+    CPU_RUN,
+    Recorder,
+    add_task_options,
+    load_task,
+    load_tokenizer,
+    say,
+    train_and_record,
+)
 
 
 class _RuleScorer(nn.Module):
@@ -130,13 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=0,
         weight_decay=0.0,
         num_sample_generations=0,
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
+        **CPU_RUN,
         seed=a.seed,
     )
     recorder = Recorder(

@@ -20,7 +20,17 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 # be eos (rlmesh's char tokenizer pads with eos); <|unk|> is a special token the SFT never emits.
 TRL_PAD_TOKEN = "<|unk|>"
 
-Score = Callable[[str, str], float]  # (response text, ground truth) -> score
+Score = Callable[[str, str], float]
+# The trainer arguments of a run on this CPU that logs every step to the recorder and saves nothing.
+CPU_RUN = {
+    "bf16": False,
+    "use_cpu": True,
+    "gradient_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "disable_tqdm": True,
+}  # (response text, ground truth) -> score
 
 
 def say(msg: str) -> None:

@@ -34,7 +34,15 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "libs"))
-from peer_trl_common import Recorder, add_task_options, load_task, load_tokenizer, say, train_and_record  # noqa: E402
+from peer_trl_common import (  # noqa: E402
+    CPU_RUN,
+    Recorder,
+    add_task_options,
+    load_task,
+    load_tokenizer,
+    say,
+    train_and_record,
+)
 
 from rlmesh.reward.arithmetic import compute_score  # noqa: E402  (rlmesh's chain reward, stdlib only)
 
@@ -105,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=a.warmup_ratio,  # transformers 5: a float below 1 is a share of the steps
         weight_decay=a.weight_decay,
         max_grad_norm=1.0,
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
+        **CPU_RUN,
         log_completions=False,
         seed=a.seed,
     )
