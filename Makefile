@@ -186,13 +186,17 @@ bench-algo: venv
 # from one SFT checkpoint: wall times, accuracies, the ratio (about 30 minutes on 2 cores).
 # Options: PEER_ARGS='--steps 100 --seed 0 --runs trl,trl-knobs,fast' (python benchmarks/bench_peer.py -h).
 TRL_VENV := .venv-trl
+# A TRL venv: $(1) its folder, $(2) the trl release; torch first and pinned, as for the main venv.
+define trl_venv
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q -c constraints.txt trl==$(2)
+	@$(1)/bin/python -c "import torch, trl; assert torch.__version__.startswith('2.13.0') and trl.__version__ == '$(2)', (torch.__version__, trl.__version__)"
+	@touch $(1)/.installed
+endef
 $(TRL_VENV)/.installed: constraints.txt
-	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(TRL_VENV)/bin/python -m pip install -q -c constraints.txt trl==1.12.0
-	@$(TRL_VENV)/bin/python -c "import torch, trl; assert torch.__version__.startswith('2.13.0') and trl.__version__ == '1.12.0', (torch.__version__, trl.__version__)"
-	@touch $@
+	$(call trl_venv,$(TRL_VENV),1.12.0)
 
 bench-peer: venv redis-server $(TRL_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
@@ -202,12 +206,7 @@ bench-peer: venv redis-server $(TRL_VENV)/.installed
 # Options: PEER_GRPO_ARGS='--seeds 0 --steps 20 --runs trl,sync,stale1,partial' (python benchmarks/bench_peer_grpo.py -h).
 TRL_GRPO_VENV := .venv-trl-grpo
 $(TRL_GRPO_VENV)/.installed: constraints.txt
-	@test -x $(TRL_GRPO_VENV)/bin/python || $(PYTHON) -m venv $(TRL_GRPO_VENV)
-	$(TRL_GRPO_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_GRPO_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(TRL_GRPO_VENV)/bin/python -m pip install -q -c constraints.txt trl==1.16.0
-	@$(TRL_GRPO_VENV)/bin/python -c "import torch, trl; assert torch.__version__.startswith('2.13.0') and trl.__version__ == '1.16.0', (torch.__version__, trl.__version__)"
-	@touch $@
+	$(call trl_venv,$(TRL_GRPO_VENV),1.16.0)
 
 bench-peer-grpo: venv redis-server $(TRL_GRPO_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer_grpo.py $(PEER_GRPO_ARGS)
