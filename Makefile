@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-scale bench-preflight bench-startup bench-checkpoint clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-scale bench-autoscale bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -220,6 +220,11 @@ bench-async: venv redis-server
 # (16k x 4k tokens; about 10 minutes, 4 GB of memory): SCALE_ARGS='--points 1024x512 --signed'.
 bench-scale: venv redis-server
 	$(BIN)/python benchmarks/bench_scale.py $(SCALE_ARGS)
+
+# How long the autoscaler's fleet takes to follow a step in load up and down, on simulated engines,
+# with the audit (two runs at rlmesh's default settings, about 10 minutes): AUTOSCALE_ARGS='--settings fast --runs 1'.
+bench-autoscale: venv redis-server
+	$(BIN)/python benchmarks/bench_autoscale.py $(AUTOSCALE_ARGS)
 
 # Each pre-flight mistake's `rlmesh config validate`, timed (under a minute).
 bench-preflight: venv

@@ -53,6 +53,9 @@ from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.scale_fleet import fleet_table, run_fleet_sweep
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 152_064  # Qwen2's: token ids take 3 bytes as varints, as a real 7B job's do
 INCARNATION = 1
@@ -342,6 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         default=parse_points("1x64,4x64,16x64,64x64,4x512,16x512"),
         help="weight pushes: engines x MB of weights (empty: none)",
     )
+    p.add_argument(
+        "--replicas",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[1, 8, 32],
+        help="fleet sweep: whole replicas on simulated engines, idle then saturated (empty: none)",
+    )
+    p.add_argument("--fleet-idle-s", type=float, default=20.0)
+    p.add_argument("--fleet-load-s", type=float, default=30.0)
     p.add_argument("--bucket-mb", type=int, default=512, help="rlmesh.weight_sync.bucket_size_mb")
     p.add_argument("--producers", type=int, default=8, help="publishing processes (replicas)")
     p.add_argument("--n", type=int, default=16, help="samples per prompt (a group)")
@@ -359,11 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True)
     rows: list[dict[str, Any]] = []
     pushes: list[dict[str, Any]] = []
+    fleets: list[dict[str, Any]] = []
 
     def record() -> None:
         args_out = {k: v for k, v in vars(args).items() if k != "token"}
         (outdir / "results.json").write_text(
-            json.dumps({"args": args_out, "points": rows, "pushes": pushes}, indent=1) + "\n"
+            json.dumps({"args": args_out, "points": rows, "pushes": pushes, "fleets": fleets}, indent=1)
+            + "\n"
         )
 
     with ProcessLauncher(outdir / "services", stop_grace_s=30) as launcher:
@@ -379,12 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {row['stream_bytes'] / 1e6:,.0f} MB: published in {row['publish_s']:.2f} s, collected in "
                 f"{row['collect_s']:.2f} s, padded in {row['build_s']:.2f} s, committed in {row['commit_s']:.2f} s"
             )
-            (outdir / "results.json").write_text(
-                json.dumps(
-                    {"args": {k: v for k, v in vars(args).items() if k != "token"}, "points": rows}, indent=1
-                )
-                + "\n"
-            )
+            record()
     if args.push:
         with (
             ForkServer.start(dict(os.environ)) as forkserver,
@@ -398,9 +406,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"  first {row['first_push_s']:.2f} s, warm {row['push_s']:.2f} s ({row['gb_s']:.2f} GB/s out)"
                 )
                 record()
+    for replicas in args.replicas:
+        say(f"a fleet of {replicas} replicas on simulated engines ...")
+        fleets.extend(run_fleet_sweep([replicas], outdir, args.fleet_idle_s, args.fleet_load_s, say))
+        record()
     print()
     if rows:
         print(table(rows))
+    if fleets:
+        print()
+        print(fleet_table(fleets))
     if pushes:
         print()
         print(push_table(pushes))

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.autoscale import autoscale_keys
 from tests.support.jobs import Files, Job, audit, engine_of, make_files, overrides
 from tests.support.monitoring import DIRECT
 from tests.support.polling import wait_until
@@ -332,4 +333,46 @@ def test_sigterm_to_ray_up_stops_every_actor_and_service(cluster, files, tmp_pat
         stop_if_running(job)
     assert job.count(r"^\[ray\] every actor stopped \(5\)") == 1, job.tail()
     assert not [p for p in pids if pid_alive(p)], "service processes outlived ray up"
+    wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")
+
+
+def test_the_autoscaler_adds_a_replica_actor_mid_run_and_the_audit_holds(cluster, files, tmp_path):
+    """rlmesh.control.autoscale on a Ray job: one replica actor of one task slot, whose queued
+    batches call for more; the job's actuator creates a second replica actor, Ray places it, it
+    registers and trains with the first, and the run finishes its plan with the audit holding."""
+    run_id, run_dir = f"ray-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    argv = [
+        "up",
+        "-c",
+        str(CPU_DEMO),
+        "--address",
+        cluster.address,
+        # Room for a second replica on the cluster's 3 CPUs, wherever Ray places it.
+        "--num-cpus",
+        "rollout=0.5",
+        "--num-cpus",
+        "reward=0.5",
+        *overrides(files, run_dir, STEPS),
+        "rlmesh.rollout.replicas=1",
+        "rlmesh.sampler.tasks_in_flight=1",
+        *autoscale_keys(min_replicas=1, max_replicas=2),
+        f"rlmesh.run_id={run_id}",
+        "rlmesh.security.allow_open_bind=true",
+    ]
+    job = RayJob.start(argv)
+    try:
+        job.wait_for(r"autoscaler: between 1 and 2 replica actors, from the load", timeout_s=400)
+        job.wait_for(r"^\[ray\] rollout-1 +\S+ \(pid \d+, added by the autoscaler\)", timeout_s=400)
+        assert f"{run_id}/rollout-1" in run_actors(run_id)
+        added, redis_url = status(run_id, "rollout-1"), status(run_id, "redis")["address"]
+        wait_until(
+            lambda: registered_address(redis_url, run_id, "rollout-1") == added["address"],
+            60,
+            "rollout-1 to register",
+        )
+        assert job.finish(timeout_s=600) == 0, job.tail()
+    finally:
+        stop_if_running(job)
+        print("\n" + job.tail(60))
+    audit(files, run_dir, STEPS)
     wait_until(lambda: not run_actors(run_id), 60, f"the actors of {run_id} to be gone")

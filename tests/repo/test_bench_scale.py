@@ -1,6 +1,6 @@
 """benchmarks/bench_scale.py: a point publishes whole groups through a real Redis, the learner's
-collector takes every one of them back, a push reaches every simulated engine, and the figures it
-records add up."""
+collector takes every one of them back, a push reaches every simulated engine, a fleet of whole
+replicas finishes tasks, and the figures it records add up."""
 
 import json
 import sys
@@ -15,6 +15,7 @@ from benchmarks.bench_scale import main, parse_points
 
 def test_a_small_point_goes_through_redis_and_the_collector_and_a_push_reaches_the_engines(tmp_path):
     argv = ["--points", "32x16,64x8", "--producers", "2", "--n", "4", "--signed", "--push", "2x4"]
+    argv += ["--replicas", "2", "--fleet-idle-s", "2", "--fleet-load-s", "6"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     (results,) = tmp_path.glob("*/results.json")
     record = json.loads(results.read_text())
@@ -26,6 +27,11 @@ def test_a_small_point_goes_through_redis_and_the_collector_and_a_push_reaches_t
     assert first["publish_s"] > 0 and first["collect_s"] > 0 and first["batch_tensor_bytes"] > 0
     (push,) = record["pushes"]  # every engine took it (the benchmark stops on a failed or wrong push)
     assert (push["engines"], push["weight_bytes"], push["bytes_moved"]) == (2, 4 << 20, 8 << 20)
+    (fleet,) = record["fleets"]
+    assert fleet["replicas"] == 2 and fleet["tasks_per_s"] > 0 and fleet["trajectories_per_s"] > 0
+    # Two replicas heartbeat and poll for tasks even when idle; loaded, they claim and publish more.
+    assert 0 < fleet["idle"]["redis_commands_per_s"] < fleet["loaded"]["redis_commands_per_s"]
+    assert fleet["loaded"]["cpu_share"]["replica"] > 0 and fleet["loaded"]["cpu_share"]["engine"] > 0
 
 
 def test_a_point_is_trajectories_x_tokens():

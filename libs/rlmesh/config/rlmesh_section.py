@@ -257,6 +257,65 @@ class AutoResponseConfig(Section):
     )
 
 
+class AutoscaleConfig(Section):
+    """The control plane's opt-in autoscaler: the number of rollout replicas from the prompt backlog,
+    the tasks arriving and finishing, and the learner's backlog (docs/control.md#autoscaling)."""
+
+    enabled: bool = Field(
+        False,
+        description="decide a desired replica count every poll_s, publish it (Redis, the "
+        "rlmesh_autoscale_desired_replicas metric, GET /api/v1/autoscale) and audit each change; "
+        "`rlmesh train` starts and stops its own replicas to match",
+    )
+    min_replicas: int = Field(1, ge=0, description="fewest replicas the autoscaler asks for")
+    max_replicas: int = Field(8, ge=1, description="most replicas the autoscaler asks for")
+    poll_s: float = Field(
+        5.0, gt=0, description="how often the autoscaler reads the queues and decides, seconds"
+    )
+    target_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="share of the fleet's task slots the arriving tasks should keep busy: room for bursts",
+    )
+    target_backlog_s: float = Field(
+        30.0,
+        gt=0,
+        description="a backlog of unclaimed tasks should be cleared within this many seconds; more "
+        "replicas are asked for to do so",
+    )
+    scale_up_cooldown_s: float = Field(
+        15.0, ge=0, description="seconds after a change before the count may rise again"
+    )
+    scale_down_cooldown_s: float = Field(
+        60.0, ge=0, description="seconds after a change before the count may fall"
+    )
+    scale_down_window_s: float = Field(
+        60.0,
+        ge=0,
+        description="the count falls only to the highest count asked for within this many seconds: a "
+        "lull shorter than it keeps the fleet",
+    )
+    rate_window_s: float = Field(
+        30.0, gt=0, description="arrival and completion rates are measured over the last this many seconds"
+    )
+    learner_backlog_samples: int = Field(
+        0,
+        ge=0,
+        description="trajectories waiting for the learner at or above which the count is not raised: "
+        "the learner sets the pace and more replicas would only make staler samples; 0 = two "
+        "batches (2 x data.train_batch_size x rollout.n)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
 class ControlServiceConfig(ServiceConfig):
     """The control plane: a REST API over the learner, the replicas, the reward services and the queues."""
 
@@ -278,6 +337,9 @@ class ControlServiceConfig(ServiceConfig):
     )
     auto: AutoResponseConfig = Field(
         default_factory=AutoResponseConfig, description="automatic responses to alert conditions"
+    )
+    autoscale: AutoscaleConfig = Field(
+        default_factory=AutoscaleConfig, description="the rollout fleet sized from its load (opt-in)"
     )
 
 

@@ -28,6 +28,7 @@ from rlmesh.control import (
     routes_service,
 )
 from rlmesh.control.auto_response import Remedy
+from rlmesh.control.autoscale import FleetReading, ScaleDecision
 from rlmesh.control.errors import ControlError
 from rlmesh.control.metrics import ControlMetrics, RequestMetricsMiddleware
 from rlmesh.control.plane import ControlPlane
@@ -82,6 +83,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     if app.state.cfg.rlmesh.control.auto.enabled:
         plane.start_auto(counted)
+
+    def scaled(reading: FleetReading, decision: ScaleDecision) -> None:
+        metrics.desired_replicas.set(decision.desired)
+        metrics.live_replicas.set(len(reading.live))
+        metrics.task_rates.labels("arriving").set(decision.arrival_per_s)
+        metrics.task_rates.labels("finished").set(decision.done_per_s)
+        metrics.task_rates.labels("per_replica").set(decision.replica_tasks_per_s or 0.0)
+        if decision.changed:
+            metrics.scale_changes.labels("up" if decision.desired > decision.before else "down").inc()
+            metrics.actions.labels("scale_replicas", "auto").inc()
+
+    if app.state.cfg.rlmesh.control.autoscale.enabled:
+        plane.start_autoscale(scaled)
     if app.state.on_ready is not None:
         app.state.on_ready()
     log.info("control plane ready", extra={"learner": plane.learner.address, "run": plane.keys.run_id})

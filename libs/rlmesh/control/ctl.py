@@ -217,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("action", choices=["list", "drain", "remove"], nargs="?", default="list")
     r.add_argument("replica_id", nargs="?")
     r.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long in-flight tasks may take")
+    x = command("autoscale", "the autoscaler's settings and last decision (rlmesh.control.autoscale)")
+    x.add_argument(
+        "--desired", action="store_true", help="print only the desired replica count (for scripts)"
+    )
     w = command("rewards", "reward services: list, add ADDR, remove ADDR, swap ADDR...")
     w.add_argument("action", choices=["list", "add", "remove", "swap"], nargs="?", default="list")
     w.add_argument("addresses", nargs="*", metavar="HOST:PORT")
@@ -262,6 +266,8 @@ def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
         if args.action == "drain":
             return "POST", f"/replicas/{args.replica_id}/drain", {"json": {"timeout_s": args.timeout_s}}
         return "DELETE", f"/replicas/{args.replica_id}", {}
+    if c == "autoscale":
+        return "GET", "/autoscale", {}
     if c == "rewards":
         if args.action == "list":
             return "GET", "/rewards", {}
@@ -422,6 +428,31 @@ def show_replicas(args: argparse.Namespace, body: dict[str, Any]) -> str:
     return "\n".join(rows) or "no live replica"
 
 
+def show_autoscale(args: argparse.Namespace, body: dict[str, Any]) -> str:
+    last, settings = body["last"], body["settings"]
+    if args.desired:
+        if last is None:
+            raise SystemExit(
+                "rlmesh ctl autoscale: no decision yet (rlmesh.control.autoscale.enabled is false?)"
+            )
+        return str(last["desired"])
+    bounds = f"between {settings['min_replicas']} and {settings['max_replicas']} replicas"
+    if not settings["enabled"]:
+        return f"autoscaler off (rlmesh.control.autoscale.enabled=false); would keep {bounds}"
+    if last is None:
+        return f"autoscaler on, {bounds}: no decision yet"
+    mu = last["replica_tasks_per_s"]
+    return "\n".join(
+        [
+            f"desired {last['desired']} replicas ({bounds}), {last['live']} live; the load calls for {last['wanted']}",
+            f"  why: {last['reason']}",
+            f"  tasks: {last['arrival_tasks_per_s']:g}/s arriving, {last['done_tasks_per_s']:g}/s finished, "
+            f"{last['tasks_outstanding']} outstanding ({last['tasks_claimed']} claimed); a replica finishes "
+            f"{'-' if mu is None else f'{mu:g}/s'}; {last['learner_backlog']} trajectories wait for the learner",
+        ]
+    )
+
+
 def show_rewards(args: argparse.Namespace, body: dict[str, Any]) -> str:
     if args.action != "list":
         return "reward services now: " + ", ".join(body["addresses"])
@@ -478,6 +509,7 @@ SHOW: dict[str, Show] = {
     "set": show_set,
     "replicas": show_replicas,
     "rewards": show_rewards,
+    "autoscale": show_autoscale,
     "queues": show_queues,
     "dead-letters": show_dead_letters,
     "audit": show_audit,

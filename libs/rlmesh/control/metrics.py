@@ -43,6 +43,24 @@ class ControlMetrics:
             "Automatic responses applied, by rule (rlmesh.control.auto)",
             ["rule", "hparam"],
         )
+        # The autoscaler's (rlmesh.control.autoscale): KEDA or an HPA scales compose or Kubernetes
+        # replicas to the desired count (docs/control.md#autoscaling).
+        self.desired_replicas = series.gauge(
+            "rlmesh_autoscale_desired_replicas", "Rollout replicas the autoscaler asks for"
+        )
+        self.live_replicas = series.gauge(
+            "rlmesh_autoscale_live_replicas",
+            "Rollout replicas registered and not draining, as the autoscaler counted them",
+        )
+        self.scale_changes = series.counter(
+            "rlmesh_autoscale_changes", "Changes of the desired replica count, by direction", ["direction"]
+        )
+        self.task_rates = series.gauge(
+            "rlmesh_autoscale_tasks_per_second",
+            "Prompt tasks per second as the autoscaler averages them: arriving, finished, and what one "
+            "replica finishes with every slot busy",
+            ["rate"],
+        )
 
 
 def route_label(scope: Scope) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,12 @@ from rlmesh.config.loader import dump_public_yaml
 from rlmesh.config.secrets import public_config
 from rlmesh.control.audit import AuditLog
 from rlmesh.control.auto_response import AutoResponder, Remedy
+from rlmesh.control.autoscale import Autoscaler, FleetReading, ScaleDecision, read_fleet
 from rlmesh.control.errors import ControlError
 from rlmesh.control.learner_link import LearnerLink
 from rlmesh.queue import ReplicaRegistry, RunKeys, connect
 from rlmesh.queue.connection import TRANSIENT_ERRORS
+from rlmesh.queue.fleet_target import FleetTarget, publish_fleet_target
 from rlmesh.queue.run_info import (
     latest_per_step,
     metrics_key,
@@ -51,14 +54,24 @@ class ControlPlane:
         self.learner = LearnerLink(address, self.token, timeout_s=cfg.rlmesh.learner.timeout_s)
         self.responder = AutoResponder(control.auto)
         self._auto_task: asyncio.Task[None] | None = None
+        scale = control.autoscale
+        backlog_limit = scale.learner_backlog_samples or (
+            2 * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+        )
+        self.autoscaler = Autoscaler(scale, backlog_limit)
+        self.last_scale: tuple[FleetReading, ScaleDecision, float] | None = (
+            None  # reading, decision, unix time
+        )
+        self._scale_task: asyncio.Task[None] | None = None
         self._on_action: Callable[[Remedy], None] | None = None
         self._seen_id = "-"
         self.auto_actions = 0  # counted by the metrics too; here for the API
 
     async def close(self) -> None:
-        if self._auto_task is not None:
-            self._auto_task.cancel()
-            await asyncio.gather(self._auto_task, return_exceptions=True)
+        for task in (self._auto_task, self._scale_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.learner.close()
         await self.redis.aclose()
 
@@ -251,3 +264,76 @@ class ControlPlane:
             remedy.new,
             remedy.reason,
         )
+
+    # ----- the autoscaler -----
+    def start_autoscale(
+        self, on_decision: Callable[[FleetReading, ScaleDecision], None] | None = None
+    ) -> None:
+        """Reads the fleet every ``rlmesh.control.autoscale.poll_s``, decides, publishes the target
+        for the actuators and audits each change; ``on_decision`` is told of each decision."""
+        self._scale_task = asyncio.create_task(self._autoscale_loop(on_decision))
+
+    async def _autoscale_loop(
+        self, on_decision: Callable[[FleetReading, ScaleDecision], None] | None
+    ) -> None:
+        poll_s = self.cfg.rlmesh.control.autoscale.poll_s
+        while True:
+            try:
+                reading, decision = await self.autoscale_once()
+                if on_decision is not None:
+                    on_decision(reading, decision)
+            except TRANSIENT_ERRORS as e:
+                log.warning("autoscaler: %s", e)
+            except Exception:
+                log.exception("autoscaler failed; trying again")
+            await asyncio.sleep(poll_s)
+
+    async def autoscale_once(self) -> tuple[FleetReading, ScaleDecision]:
+        """One reading, one decision, the target published (every time: its time says it is
+        fresh), and an audit entry when the count changed."""
+        reading = await read_fleet(
+            self.redis, self.keys, self.registry, self.cfg.rlmesh.sampler.tasks_in_flight
+        )
+        decision = self.autoscaler.observe(reading)
+        await publish_fleet_target(
+            self.redis, self.keys, FleetTarget(decision.desired, reading.live, decision.reason)
+        )
+        self.last_scale = (reading, decision, time.time())
+        if decision.changed:
+            old = decision.before
+            await self.audit.record(
+                "autoscaler",
+                "scale_replicas",
+                target="rollout replicas",
+                old=old,
+                new=decision.desired,
+                source="auto",
+                detail=decision.reason,
+            )
+            log.warning("autoscaler: replicas %d -> %d (%s)", old, decision.desired, decision.reason)
+        return reading, decision
+
+    def autoscale_view(self) -> dict[str, Any]:
+        """What ``GET /api/v1/autoscale`` answers: the settings and the last decision."""
+        scale = self.cfg.rlmesh.control.autoscale
+        out: dict[str, Any] = {"settings": scale.model_dump(), "last": None}
+        out["settings"]["learner_backlog_limit"] = self.autoscaler.learner_backlog_limit
+        if self.last_scale is not None:
+            reading, decision, at = self.last_scale
+            out["last"] = {
+                "time": round(at, 3),
+                "desired": decision.desired,
+                "wanted": decision.wanted,
+                "live": len(reading.live),
+                "reason": decision.reason,
+                "arrival_tasks_per_s": round(decision.arrival_per_s, 4),
+                "done_tasks_per_s": round(decision.done_per_s, 4),
+                "replica_tasks_per_s": None
+                if decision.replica_tasks_per_s is None
+                else round(decision.replica_tasks_per_s, 4),
+                "tasks_outstanding": reading.outstanding,
+                "tasks_claimed": reading.claimed,
+                "learner_backlog": reading.learner_backlog,
+                "capacity": reading.capacity,
+            }
+        return out

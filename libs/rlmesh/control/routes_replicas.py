@@ -1,4 +1,4 @@
-"""The rollout replicas: the live ones, and draining or removing one."""
+"""The rollout replicas: the live ones, draining or removing one, and the autoscaler's decision."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ async def replicas(request: Request) -> dict[str, Any]:
     heartbeat."""
     plane = plane_of(request)
     return {"replicas": await fleet.list_replicas(plane.registry, plane.token)}
+
+
+@router.get("/autoscale")
+async def autoscale(request: Request) -> dict[str, Any]:
+    """The autoscaler's settings (rlmesh.control.autoscale) and its last decision: the desired
+    count, what the load called for and why, the rates it measured."""
+    return plane_of(request).autoscale_view()
 
 
 @router.post("/replicas/{replica_id}/drain")

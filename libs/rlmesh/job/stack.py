@@ -127,6 +127,8 @@ class Stack:
     envs: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> its GPUs (the GPU plan)
     launcher: ProcessLauncher | None = None
     config_path: str | None = None
+    replica_wait_s: float = 600.0  # how long a replica started later may take to be healthy
+    replicas_started: int = 0  # rollout-<i> names given so far: a replica added later never reuses one
 
     def get(self, name: str) -> ServiceInstance | None:
         return next((s for s in self.started if s.name == name), None)
@@ -233,6 +235,33 @@ class Stack:
         instance = self._start(name, keep)
         self.started[self.started.index(old)] = instance
         return instance.process
+
+    def add_replica(self) -> ServiceInstance:
+        """Starts one more rollout replica, ``rollout-<i>`` with the next unused ``i``; returns it
+        once healthy (it registers and claims like the first ones), raises ``LaunchError`` else."""
+        name = f"rollout-{self.replicas_started}"
+        self.replicas_started += 1
+        self.specs[name] = ("rollout", [f"rlmesh.sampler.replica_id={name}"], self.replica_wait_s)
+        try:
+            instance = self._start(name)
+        except BaseException:
+            del self.specs[name]
+            raise
+        self.started.append(instance)
+        return instance
+
+    def remove_replica(self, name: str) -> int | None:
+        """Stops rollout replica ``name`` with SIGTERM: it stops claiming, finishes its tasks within
+        rlmesh.runtime.shutdown_grace_s and gives the rest back to the queue, leaves the registry and
+        exits. It is no part of the stack from the moment this is called (nothing restarts it).
+        Returns its exit code: 0 when it drained and stopped in time."""
+        assert self.launcher is not None, "stopping a replica needs the launcher start_stack was given"
+        instance = self.get(name)
+        assert instance is not None and name.startswith("rollout"), f"no replica {name!r} in the stack"
+        self.started.remove(instance)
+        del self.specs[name]
+        self.launcher.stop_together([instance.process])
+        return instance.process.popen.returncode
 
     def _start(self, name: str, keep: Sequence[str] = ()) -> ServiceInstance:
         """Starts ``name`` as ``start_stack`` specified it, on free ports but ``keep``'s."""
@@ -350,8 +379,10 @@ def start_stack(
         say(
             f"{'rollout':<12} none started: the replicas registered in {redact_url(redis_url)} serve this run"
         )
+    stack.replica_wait_s = max(timeout_s, 600.0)
     if "rollout" in services:
         engine = cfg.actor_rollout_ref.rollout.name
+        stack.replicas_started = cfg.rlmesh.rollout.replicas
         for i in range(cfg.rlmesh.rollout.replicas):
             extra = [f"rlmesh.sampler.replica_id=rollout-{i}"]
             requests.append(request("rollout", f"rollout-{i}", extra, f", {engine} engine"))

@@ -395,6 +395,29 @@ def follow_learner(
     return ""
 
 
+def follow_fleet_target(stack: Any, cfg: Any, run_id: str, say: Say) -> Any:
+    """The actuator of the autoscaler's target for the replicas started here (``LocalFleet``) when
+    rlmesh.control.autoscale is on; None when it is off, or this job started no replica."""
+    from rlmesh.job.local_fleet import LocalFleet
+    from rlmesh.queue import RunKeys
+
+    scale = cfg.rlmesh.control.autoscale
+    if not scale.enabled:
+        return None
+    if not cfg.rlmesh.control.enabled:
+        say(
+            "autoscaler: rlmesh.control.enabled is false: no control plane decides, the replicas stay as started"
+        )
+        return None
+    if not stack.rollouts:
+        say("autoscaler: no replica started here: size yours from rlmesh_autoscale_desired_replicas")
+        return None
+    limit = len(stack.rollouts) if any(r.name in stack.envs for r in stack.rollouts) else None
+    say(f"autoscaler: between {scale.min_replicas} and {scale.max_replicas} replicas, from the load")
+    keys = RunKeys.signed(run_id, cfg.rlmesh.token())
+    return LocalFleet(stack, keys, say, poll_s=min(scale.poll_s, 2.0), limit=limit)
+
+
 def checkpoint_line(checkpoint_dir: Path) -> str:
     """Which checkpoint running the same command again resumes from (trainer.resume_mode=auto)."""
     from rlmesh.learner.checkpoints.store import checkpoint_step, latest_checkpoint
@@ -486,9 +509,14 @@ def run_job(
                 written = run_files.write(info)
                 where = f"(run file {written[0]})" if written else f"with --url {stack.control_url}"
                 say(f"{'':<12} rlmesh ctl status reaches it {where}")
+            fleet = follow_fleet_target(stack, cfg, run_id, say)
             if after_start is not None:
                 after_start(stack)
-            result.failure = follow_learner(stack, cfg, follower, say)
+            try:
+                result.failure = follow_learner(stack, cfg, follower, say)
+            finally:
+                if fleet is not None:
+                    fleet.close()
             learner = stack.learner  # the last one started: the supervisor may have replaced it
             assert learner is not None
         except KeyboardInterrupt:

@@ -17,6 +17,7 @@ from rlmesh.config import RLMeshConfig
 from rlmesh.job.train import progress_line, say_with
 from rlmesh.ray.actors import Actor, Say, connect, create, describe, stop_actors, wait_started
 from rlmesh.ray.plan import ActorPlan, PlanError, plan_actors, unplaceable
+from rlmesh.ray.replicas import ray_fleet_target
 from rlmesh.ray.shell import ShellSpec
 from rlmesh.runtime.launcher import restartable
 
@@ -105,13 +106,15 @@ class Follower:
         quiet_since = time.monotonic()
         while True:
             t0 = time.monotonic()
-            for actor in self.actors:
+            for actor in list(self.actors):  # the autoscaler's actuator adds and removes replicas
                 if actor not in pending.values():
                     pending[actor.handle.status.remote()] = actor
             # A restarting actor's call waits for its new constructor: it stays pending meanwhile.
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
             for ref in ready:
                 actor = pending.pop(ref)
+                if actor not in self.actors:  # a replica the autoscaler stopped: its end is no death
+                    continue
                 name = actor.plan.name
                 try:
                     status = ray.get(ref)
@@ -256,7 +259,23 @@ def run_up(opts: UpOptions) -> int:
             say(f"control plane: {url}/dashboard/ (rlmesh ctl --url {url})")
         say(f"{len(actors)} actors healthy after {time.monotonic() - t0:.0f} s")
         follower = Follower(actors, learner, cfg.trainer.total_training_steps or 0, say)
-        code, failure = follower.run()
+        redis_url = next(
+            (o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("rlmesh.redis_url=")), ""
+        )
+        fleet = ray_fleet_target(
+            cfg,
+            run_id,
+            redis_url or cfg.rlmesh.redis_url,
+            actors,
+            follower.actors,
+            lambda plan: _spec(plan, opts, overrides, workdir, cfg),
+            say,
+        )
+        try:
+            code, failure = follower.run()
+        finally:
+            if fleet is not None:
+                fleet.close()
         if failure:
             say(failure)
             print(f"rlmesh ray up: {failure}", file=sys.stderr)

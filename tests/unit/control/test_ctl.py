@@ -260,6 +260,32 @@ ANSWERS = [
         ["1-0 replayed onto s as 2-0"],
     ),
     (["audit"], {"entries": []}, ["no entries"]),
+    (
+        ["autoscale"],
+        {
+            "settings": {"enabled": True, "min_replicas": 1, "max_replicas": 8},
+            "last": {
+                "time": 1.0,
+                "desired": 3,
+                "wanted": 4,
+                "live": 2,
+                "reason": "2 tasks/s arriving; held at 3: up cool-down",
+                "arrival_tasks_per_s": 2.0,
+                "done_tasks_per_s": 1.5,
+                "replica_tasks_per_s": 0.75,
+                "tasks_outstanding": 6,
+                "tasks_claimed": 4,
+                "learner_backlog": 0,
+                "capacity": 2,
+            },
+        },
+        [
+            "desired 3 replicas (between 1 and 8 replicas), 2 live; the load calls for 4",
+            "held at 3",
+            "0.75/s",
+        ],
+    ),
+    (["autoscale", "--desired"], {"settings": {}, "last": {"desired": 5}}, ["5"]),
 ]
 
 

@@ -1,0 +1,64 @@
+"""The autoscaler end to end on simulated engines (tests/support/autoscale.py): a step up in the
+tasks arriving and the fleet grows, the load gone and it shrinks back to its floor by draining,
+and every task put comes back exactly once as all its samples. The phases' deadlines are the
+bounds this test states; ``make bench-autoscale`` measures how long following takes."""
+
+from __future__ import annotations
+
+from rlmesh.engine.simulated import SimulationSpec
+from tests.support.autoscale import FleetUnderLoad, Phase, control_get
+
+# A task ends with the longest of its 4 samples, about 16 tokens at 10 tokens/s: with two slots a
+# replica finishes about 1 task/s. 0.3 tasks/s needs one replica, 2.5 tasks/s three or four (at
+# 80% of their slots).
+SPEC = SimulationSpec(
+    vocab_size=100,
+    eos_token_id=96,
+    tokens_per_s=10.0,
+    length_median=12,
+    length_sigma=0.3,
+    length_max=24,
+    weight_bytes=1 << 16,
+)
+MAX = 4
+
+
+def test_a_step_in_load_grows_the_fleet_and_its_end_shrinks_it_with_nothing_lost(tmp_path):
+    with FleetUnderLoad(tmp_path, SPEC, min_replicas=1, max_replicas=MAX) as fleet:
+        result = fleet.drive(
+            [
+                Phase("low", tasks_per_s=0.3, seconds=10),
+                Phase(
+                    "high",
+                    tasks_per_s=2.5,
+                    until=lambda s: s.replicas >= 3,
+                    what="3 replicas or more running",
+                    deadline_s=150,
+                    hold_s=5,
+                ),
+                Phase(
+                    "none",
+                    tasks_per_s=0.0,
+                    until=lambda s: s.outstanding == 0 and s.replicas == 1 and s.settled,
+                    what="every task done and the fleet back at 1 replica",
+                    deadline_s=150,
+                ),
+            ]
+        )
+        for s in result.samples:
+            print(s)
+        low = [s for s in result.samples if s.phase == "low"]
+        assert max(s.replicas for s in low) == 1, "the fleet grew at the low load"
+        assert result.audit() == [], "\n".join(result.audit())
+        assert len(result.put) > 20
+        added, stopped = fleet.fleet.added, fleet.fleet.stopped
+        assert len(added) >= 2 and len(stopped) == len(added)
+        assert all(code == 0 for _, code in stopped), f"a replica did not drain and stop cleanly: {stopped}"
+        audit = control_get(fleet, "/api/v1/audit?action=scale_replicas&limit=100")["entries"]
+        ups = [e for e in audit if e["new"] > e["old"]]
+        downs = [e for e in audit if e["new"] < e["old"]]
+        assert ups and downs, f"the audit log lacks a rise or a fall: {audit}"
+        assert all(e["who"] == "autoscaler" and e["source"] == "auto" and e["detail"] for e in audit)
+        view = control_get(fleet, "/api/v1/autoscale")
+        assert view["settings"]["max_replicas"] == MAX
+        assert view["last"]["desired"] == 1 and view["last"]["replica_tasks_per_s"] > 0
