@@ -28,20 +28,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlmesh.engine.simulated import SimulationSpec
-from tests.support.autoscale import DriveResult, FleetUnderLoad, Phase, autoscale_keys
-
-# As the integration test's: a task is about 1.6 s of decoding, a replica of two slots finishes
-# about 1 task/s.
-SPEC = SimulationSpec(
-    vocab_size=100,
-    eos_token_id=96,
-    tokens_per_s=10.0,
-    length_median=12,
-    length_sigma=0.3,
-    length_max=24,
-    weight_bytes=1 << 16,
-)
+from tests.support.autoscale import AUTOSCALE_SPEC, DriveResult, FleetUnderLoad, Phase, autoscale_keys
 
 
 def say(msg: str) -> None:
@@ -102,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(dir=out) as root:
             fleet = FleetUnderLoad(
                 Path(root),
-                SPEC,
+                AUTOSCALE_SPEC,
                 min_replicas=1,
                 max_replicas=args.max_replicas,
                 settings=settings_keys(args.settings, 1, args.max_replicas),

@@ -54,7 +54,7 @@ from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.scale_fleet import fleet_table, run_fleet_sweep
+from benchmarks.scale_fleet import fleet_table, redis_info, run_fleet_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 152_064  # Qwen2's: token ids take 3 bytes as varints, as a real 7B job's do
@@ -115,26 +115,6 @@ def producer(
         await redis.aclose()
 
     asyncio.run(run())
-
-
-async def redis_info(url: str) -> dict[str, float]:
-    redis = connect(url)
-    try:
-        info = await redis.info("all")
-    finally:
-        await redis.aclose()
-    return {
-        "commands": float(info["total_commands_processed"]),
-        # The AOF rewrite child's CPU too: it is Redis's work for the run.
-        "cpu_s": sum(
-            float(info[k])
-            for k in ("used_cpu_user", "used_cpu_sys", "used_cpu_user_children", "used_cpu_sys_children")
-        ),
-        "memory": float(info["used_memory"]),
-        "aof_rewrites": float(info.get("aof_rewrites", 0) or 0),
-        "net_in": float(info["total_net_input_bytes"]),
-        "net_out": float(info["total_net_output_bytes"]),
-    }
 
 
 def cpu_s() -> float:

@@ -31,6 +31,17 @@ from rlmesh.v1 import common_pb2, trajectory_pb2
 from tests.support.repo import CPU_DEMO
 
 TOKEN = "autoscale-test-token"
+# A task ends with the longest of its 4 samples, about 16 tokens at 10 tokens/s: with two slots a
+# replica finishes about 1.2 tasks a second.
+AUTOSCALE_SPEC = SimulationSpec(
+    vocab_size=100,
+    eos_token_id=96,
+    tokens_per_s=10.0,
+    length_median=12,
+    length_sigma=0.3,
+    length_max=24,
+    weight_bytes=1 << 16,
+)
 N = 4  # samples a task (the demo config's rollout.n)
 
 

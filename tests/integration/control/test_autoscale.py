@@ -5,26 +5,15 @@ bounds this test states; ``make bench-autoscale`` measures how long following ta
 
 from __future__ import annotations
 
-from rlmesh.engine.simulated import SimulationSpec
-from tests.support.autoscale import FleetUnderLoad, Phase, control_get
+from tests.support.autoscale import AUTOSCALE_SPEC, FleetUnderLoad, Phase, control_get
 
-# A task ends with the longest of its 4 samples, about 16 tokens at 10 tokens/s: with two slots a
-# replica finishes about 1 task/s. 0.3 tasks/s needs one replica, 2.5 tasks/s three or four (at
-# 80% of their slots).
-SPEC = SimulationSpec(
-    vocab_size=100,
-    eos_token_id=96,
-    tokens_per_s=10.0,
-    length_median=12,
-    length_sigma=0.3,
-    length_max=24,
-    weight_bytes=1 << 16,
-)
+# AUTOSCALE_SPEC: a replica of two slots finishes about 1.2 tasks a second, so 0.3 tasks/s needs
+# one replica and 2.5 tasks/s three or four (at 80% of their slots).
 MAX = 4
 
 
 def test_a_step_in_load_grows_the_fleet_and_its_end_shrinks_it_with_nothing_lost(tmp_path):
-    with FleetUnderLoad(tmp_path, SPEC, min_replicas=1, max_replicas=MAX) as fleet:
+    with FleetUnderLoad(tmp_path, AUTOSCALE_SPEC, min_replicas=1, max_replicas=MAX) as fleet:
         result = fleet.drive(
             [
                 Phase("low", tasks_per_s=0.3, seconds=10),
