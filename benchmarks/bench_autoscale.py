@@ -6,9 +6,10 @@ down, with nothing lost, on simulated engines (tests/support/autoscale.py's stac
 Each run: ``--low`` tasks/s for ``--low-s`` seconds, then a step to ``--high`` tasks/s held until
 the replica count has stood still for ``--hold-s`` seconds (its count then is the one the step
 called for), then no tasks until every task is done and the fleet is back at its floor. Per run:
-the seconds from the step to the first moment the fleet ran the count it settled on (the
-decision's share and the replicas' start-up in it), from the load's end to the floor, the tasks
-put and the audit (each task back as exactly its samples, nothing dead-lettered). ``--settings
+the seconds from the step to the decision for the count the fleet settled on and to the first
+moment it ran it (the replicas' start-up between the two), how often the count moved after that,
+the seconds from the load's end to the floor, the tasks put and the audit (each task back as
+exactly its samples, nothing dead-lettered). ``--settings
 defaults`` runs rlmesh.control.autoscale's defaults (poll 5 s, rates over 30 s, up cool-down 15 s,
 down window and cool-down 60 s); ``fast`` the integration test's short ones. Results go to
 runs/bench-autoscale/results.json.
@@ -27,6 +28,8 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import itertools
 
 from tests.support.autoscale import AUTOSCALE_SPEC, DriveResult, FleetUnderLoad, Phase, autoscale_keys
 
@@ -49,19 +52,19 @@ def settings_keys(which: str, min_replicas: int, max_replicas: int) -> list[str]
 def follow(result: DriveResult, floor: int) -> dict[str, Any]:
     high = [s for s in result.samples if s.phase == "high"]
     settled_on = high[-1].replicas
-    # The first moment of the final stretch at the settled count (it held from there to the end).
-    up_at = high[-1].t
-    for s in reversed(high):
-        if s.replicas != settled_on or not s.settled:
-            break
-        up_at = s.t
-    decided = next((s.t for s in high if s.desired is not None and s.desired >= settled_on), None)
-    down = result.follow_s("none", lambda s: s.replicas == floor and s.settled)
     start = result.phase_start["high"]
+    decided = next((s.t for s in high if s.desired is not None and s.desired >= settled_on), None)
+    running = next((s.t for s in high if s.replicas >= settled_on and s.settled), None)
+    # After reaching it: each change of the count running (a fall and a rise again at a load
+    # between two counts, as the measured rate of a replica moves).
+    after = [s.replicas for s in high if running is not None and s.t >= running and s.settled]
+    moves = sum(1 for a, b in itertools.pairwise(after) if a != b)
+    down = result.follow_s("none", lambda s: s.replicas == floor and s.settled)
     return {
         "settled_on": settled_on,
-        "up_s": round(up_at - start, 1),
         "decided_s": None if decided is None else round(decided - start, 1),
+        "up_s": None if running is None else round(running - start, 1),
+        "moves_after": moves,
         "down_s": None if down is None else round(down, 1),
         "tasks": len(result.put),
         "audit": result.audit() or "ok",
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         audit = r["audit"] if r["audit"] == "ok" else f"{len(r['audit'])} problems"
         print(
-            f"| {r['run']} | {r['settled_on']} | {r['decided_s']} | {r['up_s']} | {r['down_s']} | {r['tasks']} | {audit} |"
+            f"| {r['run']} | {r['settled_on']} | {r['decided_s']} | {r['up_s']} | {r['moves_after']} | "
+            f"{r['down_s']} | {r['tasks']} | {audit} |"
         )
     bad = [r for r in rows if r["audit"] != "ok"]
     return 1 if bad else 0

@@ -54,7 +54,7 @@ from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.scale_fleet import fleet_table, redis_info, run_fleet_sweep
+from benchmarks.scale_fleet import fleet_table, plot_scale, redis_info, run_fleet_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 152_064  # Qwen2's: token ids take 3 bytes as varints, as a real 7B job's do
@@ -341,7 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         "--signed", action="store_true", help="sign every entry with a run key, as a run with a token does"
     )
     p.add_argument("--out", default="runs/bench-scale")
+    p.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="only draw the figure of finished runs' results.json (merged) to --plot-out",
+    )
+    p.add_argument("--plot-out", default="docs/scale.png")
     args = p.parse_args(argv)
+    if args.plot:
+        records = [json.loads(Path(f).read_text()) for f in args.plot]
+        print(f"wrote {plot_scale(records, Path(args.plot_out))}")
+        return 0
     args.token = secrets.token_urlsafe(32) if args.signed else None  # never printed or written
     for t, _ in args.points:
         if t % args.n:
@@ -399,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     if pushes:
         print()
         print(push_table(pushes))
-    print(f"\n  results: {outdir / 'results.json'}")
+    record()
+    print(
+        f"\n  results: {outdir / 'results.json'}; figure: {plot_scale([json.loads((outdir / 'results.json').read_text())], outdir / 'scale.png')}"
+    )
     return 0
 
 

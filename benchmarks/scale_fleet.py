@@ -181,3 +181,60 @@ def fleet_table(rows: list[dict[str, Any]]) -> str:
             f"{cpu.get('engine', 0):.1%} | {cpu.get('reward', 0):.1%} | {cpu.get('control', 0):.1%} | {r['memory_mb']} |"
         )
     return "\n".join(lines)
+
+
+def plot_scale(records: list[dict[str, Any]], out: Path) -> Path:
+    """One figure of bench-scale's results (from one or more results.json): a step's trajectories
+    (publish, collect, pad against the stream's MB), the warm push (seconds against the GB moved,
+    by engine count) and the fleet (Redis commands a second against replicas, idle and loaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for r in records for p in r.get("points", [])]
+    pushes = [p for r in records for p in r.get("pushes", [])]
+    fleets = [f for r in records for f in r.get("fleets", [])]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    points.sort(key=lambda p: p["stream_bytes"])
+    mb = [p["stream_bytes"] / 1e6 for p in points]
+    for key, label in (
+        ("publish_s", "publish (8 producers)"),
+        ("collect_s", "collect + validate"),
+        ("build_s", "pad"),
+    ):
+        ax.plot(mb, [p[key] for p in points], "o-", label=label)
+    ax.set(
+        xlabel="one step's trajectories (MB in the stream)",
+        ylabel="seconds",
+        title="A step through one Redis",
+    )
+    ax.legend()
+    ax = axes[1]
+    for engines in sorted({p["engines"] for p in pushes}):
+        row = sorted((p for p in pushes if p["engines"] == engines), key=lambda p: p["bytes_moved"])
+        ax.plot(
+            [p["bytes_moved"] / 1e9 for p in row],
+            [p["push_s"] for p in row],
+            "o-",
+            label=f"{engines} engines",
+        )
+    ax.set(
+        xlabel="GB moved by one push (engines x weights)",
+        ylabel="seconds (warm)",
+        title="A weight push, fanned out",
+    )
+    ax.legend()
+    ax = axes[2]
+    fleets.sort(key=lambda f: f["replicas"])
+    replicas = [f["replicas"] for f in fleets]
+    ax.plot(replicas, [f["idle"]["redis_commands_per_s"] for f in fleets], "o-", label="idle")
+    ax.plot(replicas, [f["loaded"]["redis_commands_per_s"] for f in fleets], "o-", label="saturated")
+    ax.set(xlabel="replicas", ylabel="Redis commands / s", title="A fleet of whole replicas")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
