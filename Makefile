@@ -217,7 +217,8 @@ bench-async: venv redis-server
 	$(BIN)/python benchmarks/bench_async.py $(ASYNC_ARGS)
 
 # One step's trajectories through one Redis and the learner's collector, demo-sized to 7B-shaped
-# (16k x 4k tokens; about 10 minutes, 4 GB of memory): SCALE_ARGS='--points 1024x512 --signed'.
+# (16k x 4k tokens), weight pushes to up to 64 engines, and fleets of 1, 8 and 32 whole replicas
+# (about 15 minutes, 7 GB of memory): SCALE_ARGS='--points 1024x512 --push "" --replicas 64,128'.
 bench-scale: venv redis-server
 	$(BIN)/python benchmarks/bench_scale.py $(SCALE_ARGS)
 

@@ -9,9 +9,9 @@ called for), then no tasks until every task is done and the fleet is back at its
 the seconds from the step to the decision for the count the fleet settled on and to the first
 moment it ran it (the replicas' start-up between the two), how often the count moved after that,
 the seconds from the load's end to the floor, the tasks put and the audit (each task back as
-exactly its samples, nothing dead-lettered). ``--settings
-defaults`` runs rlmesh.control.autoscale's defaults (poll 5 s, rates over 30 s, up cool-down 15 s,
-down window and cool-down 60 s); ``fast`` the integration test's short ones. Results go to
+exactly its samples, nothing dead-lettered). ``--settings defaults`` runs
+rlmesh.control.autoscale's defaults (poll 5 s, rates over 30 s, up cool-down 15 s, down window
+and cool-down 60 s); ``fast`` the integration test's short ones. Results go to
 runs/bench-autoscale/results.json.
 """
 
@@ -126,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     print()
     print(
-        "| run | settled on | step -> count decided (s) | step -> count running (s) | load end -> floor (s) | tasks | audit |"
+        "| run | settled on | step -> count decided (s) | step -> count running (s) | changes after | "
+        "load end -> floor (s) | tasks | audit |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         audit = r["audit"] if r["audit"] == "ok" else f"{len(r['audit'])} problems"
         print(
