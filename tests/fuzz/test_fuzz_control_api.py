@@ -53,6 +53,7 @@ OPERATIONS = (
     "POST /api/v1/dead-letters/{dead_letter_id}/replay",
     "GET /api/v1/alerts",
     "GET /api/v1/auto",
+    "GET /api/v1/autoscale",
     "POST /api/v1/alerts/webhook",
 )
 
