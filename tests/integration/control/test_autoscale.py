@@ -5,7 +5,9 @@ bounds this test states; ``make bench-autoscale`` measures how long following ta
 
 from __future__ import annotations
 
+from rlmesh.runtime.health import scrape_metrics
 from tests.support.autoscale import AUTOSCALE_SPEC, FleetUnderLoad, Phase, control_get
+from tests.support.jobs import metric_sum
 
 # AUTOSCALE_SPEC: a replica of two slots finishes about 1.2 tasks a second, so 0.3 tasks/s needs
 # one replica and 2.5 tasks/s three or four (at 80% of their slots).
@@ -48,6 +50,10 @@ def test_a_step_in_load_grows_the_fleet_and_its_end_shrinks_it_with_nothing_lost
         downs = [e for e in audit if e["new"] < e["old"]]
         assert ups and downs, f"the audit log lacks a rise or a fall: {audit}"
         assert all(e["who"] == "autoscaler" and e["source"] == "auto" and e["detail"] for e in audit)
+        scraped = scrape_metrics("127.0.0.1", fleet.control.metrics_port)
+        assert metric_sum(scraped, "rlmesh_autoscale_desired_replicas") == 1
+        assert metric_sum(scraped, "rlmesh_autoscale_changes_total", direction="up") >= 1
+        assert metric_sum(scraped, "rlmesh_autoscale_changes_total", direction="down") >= 1
         view = control_get(fleet, "/api/v1/autoscale")
         assert view["settings"]["max_replicas"] == MAX
         assert view["last"]["desired"] == 1 and view["last"]["replica_tasks_per_s"] > 0
