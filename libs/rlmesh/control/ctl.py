@@ -446,9 +446,9 @@ def show_autoscale(args: argparse.Namespace, body: dict[str, Any]) -> str:
         [
             f"desired {last['desired']} replicas ({bounds}), {last['live']} live; the load calls for {last['wanted']}",
             f"  why: {last['reason']}",
-            f"  tasks: {last['arrival_tasks_per_s']:g}/s arriving, {last['done_tasks_per_s']:g}/s finished, "
+            f"  tasks: {last['arrival_tasks_per_s']:.3g}/s arriving, {last['done_tasks_per_s']:.3g}/s finished, "
             f"{last['tasks_outstanding']} outstanding ({last['tasks_claimed']} claimed); a replica finishes "
-            f"{'-' if mu is None else f'{mu:g}/s'}; {last['learner_backlog']} trajectories wait for the learner",
+            f"{'-' if mu is None else f'{mu:.3g}/s'}; {last['learner_backlog']} trajectories wait for the learner",
         ]
     )
 
