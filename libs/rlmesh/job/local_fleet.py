@@ -17,6 +17,7 @@ from rlmesh.runtime.launcher import LaunchError
 
 # A target this old is from a control plane that stopped deciding: the fleet is left as it is.
 STALE_AFTER_S = 60.0
+START_RETRY_S = 30.0  # after a replica failed to start: not a failing start every poll
 
 
 def local_goal(target: FleetTarget, ours: set[str]) -> int:
@@ -48,6 +49,7 @@ class LocalFleet:
         self.redis = redis_sync.Redis.from_url(stack.redis_url, socket_timeout=5)
         self.closed = threading.Event()
         self.acting = False  # a replica is being started or stopped
+        self.retry_at = 0.0  # no start before this (monotonic): the last one failed
         self.ours = set(self.local())  # every replica id this actuator started or was given
         self.added: list[str] = []  # replicas started to follow the target
         self.stopped: list[tuple[str, int | None]] = []  # replicas stopped, with their exit codes
@@ -98,11 +100,16 @@ class LocalFleet:
             )
             goal = self.limit
         if goal > len(local):
+            if time.monotonic() < self.retry_at:
+                return False
             self.say(f"autoscaler: {len(local)} -> {goal} replicas here ({target.reason}); starting one")
             try:
                 instance = self.stack.add_replica()
             except LaunchError as e:
-                self._say_once(f"autoscaler: a new replica did not start: {e.headline}")
+                self.retry_at = time.monotonic() + START_RETRY_S
+                self.say(
+                    f"autoscaler: a new replica did not start ({e.headline}); trying again in {START_RETRY_S:.0f} s"
+                )
                 return False
             self.added.append(instance.name)
             self.ours.add(instance.name)
@@ -110,7 +117,10 @@ class LocalFleet:
                 f"{instance.name:<12} {instance.grpc_address} (pid {instance.process.pid}, added by the autoscaler)"
             )
         elif goal < len(local):
-            name = local[-1]  # the newest goes first
+            # The newest running one goes first; a dead one is being restarted by the supervisor.
+            name = next((n for n in reversed(local) if self.stack.replica_alive(n)), "")
+            if not name:
+                return False
             self.say(
                 f"autoscaler: {len(local)} -> {goal} replicas here ({target.reason}); stopping {name} "
                 "(it finishes its tasks and gives back the rest)"

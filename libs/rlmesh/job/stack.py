@@ -250,6 +250,11 @@ class Stack:
         self.started.append(instance)
         return instance
 
+    def replica_alive(self, name: str) -> bool:
+        """Whether replica ``name`` runs now (a dead one is the supervisor's to restart, not to stop)."""
+        instance = self.get(name)
+        return instance is not None and instance.process.alive()
+
     def remove_replica(self, name: str) -> int | None:
         """Stops rollout replica ``name`` with SIGTERM: it stops claiming, finishes its tasks within
         rlmesh.runtime.shutdown_grace_s and gives the rest back to the queue, leaves the registry and

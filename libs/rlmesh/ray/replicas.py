@@ -70,6 +70,10 @@ class RayReplicas:
             name=name, grpc_address=status["address"], process=SimpleNamespace(pid=status["pid"])
         )
 
+    def replica_alive(self, name: str) -> bool:
+        """Always: Ray restarts a dead replica's actor itself, and a call to it waits for that."""
+        return True
+
     def remove_replica(self, name: str) -> int | None:
         with self.lock:
             actor = next(a for a in self.followed if a.plan.name == name)
