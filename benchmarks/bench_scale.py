@@ -20,7 +20,10 @@ learner's ``WeightPusher`` pushing MB of weights to all of them over gloo, as th
 (a weight group per engine, ``flattened_bucket``, the update cycle's pause and continue): the
 first push (the groups built) and the next two (warm) are timed, with the bytes moved.
 
-Results go to runs/bench-scale/; docs/scale.md has the tables and the cost model fitted to them.
+Then for each ``--replicas`` count: a fleet of that many whole replicas on simulated engines, idle
+and then saturated (``benchmarks/scale_fleet.py``).
+
+Results go to runs/bench-scale/ with a figure of them (``--plot`` draws one from finished runs); docs/scale.md has the tables and the cost model fitted to them.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.scale_fleet import fleet_table, plot_scale, redis_info, run_fleet_sweep
+from benchmarks.scale_fleet import fleet_point, fleet_table, plot_scale, redis_info
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 152_064  # Qwen2's: token ids take 3 bytes as varints, as a real 7B job's do
@@ -399,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                 record()
     for replicas in args.replicas:
         say(f"a fleet of {replicas} replicas on simulated engines ...")
-        fleets.extend(run_fleet_sweep([replicas], outdir, args.fleet_idle_s, args.fleet_load_s, say))
+        fleets.append(fleet_point(replicas, outdir, args.fleet_idle_s, args.fleet_load_s, say))
+        say(f"  {json.dumps(fleets[-1])}")
         record()
     print()
     if rows:
@@ -410,10 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     if pushes:
         print()
         print(push_table(pushes))
-    record()
-    print(
-        f"\n  results: {outdir / 'results.json'}; figure: {plot_scale([json.loads((outdir / 'results.json').read_text())], outdir / 'scale.png')}"
-    )
+    figure = plot_scale([{"points": rows, "pushes": pushes, "fleets": fleets}], outdir / "scale.png")
+    print(f"\n  results: {outdir / 'results.json'}; figure: {figure}")
     return 0
 
 

@@ -8,7 +8,6 @@ commands a second (by command, idle and loaded) and CPU, and the CPU of each kin
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -153,17 +152,6 @@ def fleet_point(
         "tasks_per_s": round(done_tasks / loaded["seconds"], 2),
         "trajectories_per_s": round(sum(result.samples_of.values()) / loaded["seconds"], 1),
     }
-
-
-def run_fleet_sweep(
-    points: list[int], workdir: Path, idle_s: float, load_s: float, say: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    rows = []
-    for replicas in points:
-        row = fleet_point(replicas, workdir, idle_s, load_s, say)
-        say(json.dumps(row))
-        rows.append(row)
-    return rows
 
 
 def fleet_table(rows: list[dict[str, Any]]) -> str:

@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rlmesh.config.rlmesh_section import AutoscaleConfig
-from rlmesh.queue import LEARNER_GROUP, ROLLOUT_GROUP, ReplicaRegistry, RunKeys
+from rlmesh.control.fleet import queue_depths
+from rlmesh.queue import ReplicaRegistry, RunKeys
 
 DRAINING = "draining"
 # Tasks finished within the rate window before a slot's rate is read from them: fewer say more of
@@ -212,20 +213,13 @@ class Autoscaler:
         )
 
 
-async def _added_total(redis: aioredis.Redis, stream: str) -> tuple[int, int]:
-    """(entries ever added, entries now) of a stream; (0, 0) before it exists."""
+async def _added_total(redis: aioredis.Redis, stream: str) -> int:
+    """Entries ever added to a stream; 0 before it exists."""
     try:
         info = await redis.xinfo_stream(stream)
     except ResponseError:
-        return 0, 0
-    return int(info.get("entries-added", info.get("entries_added", 0)) or 0), int(info["length"])
-
-
-async def _pending(redis: aioredis.Redis, stream: str, group: str) -> int:
-    try:
-        return int((await redis.xpending(stream, group))["pending"])
-    except ResponseError:  # no group yet: nothing handed out
         return 0
+    return int(info.get("entries-added", info.get("entries_added", 0)) or 0)
 
 
 async def read_fleet(
@@ -234,16 +228,14 @@ async def read_fleet(
     """One ``FleetReading`` of the run: its registry and two streams, a handful of commands
     whatever the fleet's size (no call to any replica)."""
     regs = [r for r in await registry.live() if r.state != DRAINING]
-    added, outstanding = await _added_total(redis, keys.prompts)
-    claimed = await _pending(redis, keys.prompts, ROLLOUT_GROUP)
-    trajectories = int(await redis.xlen(keys.trajectories))
-    read_by_learner = await _pending(redis, keys.trajectories, LEARNER_GROUP)
+    added = await _added_total(redis, keys.prompts)
+    depths = await queue_depths(redis, keys)
     capacities = [r.capacity for r in regs if r.capacity > 0]
     return FleetReading(
         live=sorted(r.replica_id for r in regs),
-        outstanding=outstanding,
-        claimed=claimed,
+        outstanding=depths["prompts"]["length"],
+        claimed=depths["prompts"]["pending"],
         added_total=added,
         capacity=int(statistics.median(capacities)) if capacities else default_capacity,
-        learner_backlog=max(0, trajectories - read_by_learner),
+        learner_backlog=max(0, depths["trajectories"]["unread"]),
     )

@@ -18,6 +18,7 @@ from rlmesh.runtime.launcher import LaunchError
 # A target this old is from a control plane that stopped deciding: the fleet is left as it is.
 STALE_AFTER_S = 60.0
 START_RETRY_S = 30.0  # after a replica failed to start: not a failing start every poll
+POLL_S = 2.0  # the most an actuator waits between two reads of the target
 
 
 def local_goal(target: FleetTarget, ours: set[str]) -> int:
@@ -145,3 +146,20 @@ class LocalFleet:
                 self._say_once(f"autoscaler: reconciling the replicas failed: {type(e).__name__}: {e}")
             finally:
                 self.acting = False
+
+
+def follow_target(
+    stack: Any,
+    cfg: Any,
+    run_id: str,
+    say: Callable[[str], None],
+    *,
+    what: str = "replicas",
+    limit: int | None = None,
+) -> LocalFleet:
+    """The actuator of a job whose config has rlmesh.control.autoscale on, over ``stack`` (a
+    ``Stack``, or anything with its replica methods: ``rlmesh ray up``'s actors); says its bounds."""
+    scale = cfg.rlmesh.control.autoscale
+    say(f"autoscaler: between {scale.min_replicas} and {scale.max_replicas} {what}, from the load")
+    keys = RunKeys.signed(run_id, cfg.rlmesh.token())
+    return LocalFleet(stack, keys, say, poll_s=min(scale.poll_s, POLL_S), limit=limit)

@@ -398,11 +398,9 @@ def follow_learner(
 def follow_fleet_target(stack: Any, cfg: Any, run_id: str, say: Say) -> Any:
     """The actuator of the autoscaler's target for the replicas started here (``LocalFleet``) when
     rlmesh.control.autoscale is on; None when it is off, or this job started no replica."""
-    from rlmesh.job.local_fleet import LocalFleet
-    from rlmesh.queue import RunKeys
+    from rlmesh.job.local_fleet import follow_target
 
-    scale = cfg.rlmesh.control.autoscale
-    if not scale.enabled:
+    if not cfg.rlmesh.control.autoscale.enabled:
         return None
     if not cfg.rlmesh.control.enabled:
         say(
@@ -413,9 +411,7 @@ def follow_fleet_target(stack: Any, cfg: Any, run_id: str, say: Say) -> Any:
         say("autoscaler: no replica started here: size yours from rlmesh_autoscale_desired_replicas")
         return None
     limit = len(stack.rollouts) if any(r.name in stack.envs for r in stack.rollouts) else None
-    say(f"autoscaler: between {scale.min_replicas} and {scale.max_replicas} replicas, from the load")
-    keys = RunKeys.signed(run_id, cfg.rlmesh.token())
-    return LocalFleet(stack, keys, say, poll_s=min(scale.poll_s, 2.0), limit=limit)
+    return follow_target(stack, cfg, run_id, say, limit=limit)
 
 
 def checkpoint_line(checkpoint_dir: Path) -> str:

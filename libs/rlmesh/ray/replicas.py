@@ -93,11 +93,9 @@ def ray_fleet_target(
     say: Callable[[str], None],
 ) -> Any:
     """``LocalFleet`` over the job's replica actors when rlmesh.control.autoscale is on, else None."""
-    from rlmesh.job.local_fleet import LocalFleet
-    from rlmesh.queue import RunKeys
+    from rlmesh.job.local_fleet import follow_target
 
-    scale = cfg.rlmesh.control.autoscale
-    if not scale.enabled or not any(a.plan.service == "rollout" for a in actors):
+    if not cfg.rlmesh.control.autoscale.enabled or not any(a.plan.service == "rollout" for a in actors):
         return None
     replicas = RayReplicas(
         actors=actors,
@@ -108,7 +106,4 @@ def ray_fleet_target(
         grace_s=max(cfg.rlmesh.runtime.shutdown_grace_s, 30.0),
         say=say,
     )
-    say(f"autoscaler: between {scale.min_replicas} and {scale.max_replicas} replica actors, from the load")
-    return LocalFleet(
-        replicas, RunKeys.signed(run_id, cfg.rlmesh.token()), say, poll_s=min(scale.poll_s, 2.0)
-    )
+    return follow_target(replicas, cfg, run_id, say, what="replica actors")
