@@ -211,7 +211,7 @@ $(TRL_GRPO_VENV)/.installed: constraints.txt
 bench-peer-grpo: venv redis-server $(TRL_GRPO_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer_grpo.py $(PEER_GRPO_ARGS)
 
-# The long-tail task three ways (synchronous, max_staleness=1, partial + in-flight), three seeds, from one
+# The long-tail task four ways (synchronous, max_staleness=1, partial + in-flight, over-provisioned), three seeds, from one
 # SFT checkpoint (cached under runs/bench-async); ASYNC_ARGS='--seeds 0 --steps 20' for a shorter run.
 bench-async: venv redis-server
 	$(BIN)/python benchmarks/bench_async.py $(ASYNC_ARGS)

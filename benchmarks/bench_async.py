@@ -1,18 +1,20 @@
-"""make bench-async: the long-tail task trained three ways from one SFT checkpoint, on several seeds.
+"""make bench-async: the long-tail task trained several ways from one SFT checkpoint, on several seeds.
 
-    python benchmarks/bench_async.py [--seeds 0,1,2] [--steps 100] [--modes sync,stale1,partial]
+    python benchmarks/bench_async.py [--seeds 0,1,2] [--steps 100] [--modes sync,stale1,partial,over]
 
 The task is ``rlmesh data chain`` (running totals of up to 24 steps of +-1..3 from 0..9; answers
 of 8 to 88 characters, the median 21: most short, a few four times the median and eleven times the
 shortest), a 1.1M-parameter Llama (hidden 128, 4 layers) with the character tokenizer, warmed up by ``rlmesh sft`` on the whole chain until greedy accuracy on a dev
 split reaches ``--sft-band`` (cached under the workdir). Each seed then trains GRPO with
-``rlmesh train`` (the CPU demo's config, two replicas) in three modes:
+``rlmesh train`` (the CPU demo's config, two replicas) in these modes:
 
 - ``sync``: ``rlmesh.max_staleness=0``: a step waits for its slowest group;
 - ``stale1``: ``rlmesh.max_staleness=1`` with token-level importance sampling: the next step's
   prompts are generated while this one trains, a step takes the first complete groups;
 - ``partial``: ``stale1`` plus partial rollouts (``rlmesh.sampler.partial_chunk_tokens``) and
-  in-place weight updates (``rlmesh.weight_sync.pause_mode=in_place``).
+  in-place weight updates (``rlmesh.weight_sync.pause_mode=in_place``);
+- ``over``: ``stale1`` with half a batch more in flight (``rlmesh.over_provision=0.5``, APRIL's
+  over-provisioning).
 
 Printed per mode and seed: the training time (``benchmarks/bench_peer.py``'s boundaries: steps
 only, validation and start-up apart), final accuracy (mean of the last two evaluations, greedy,
@@ -55,6 +57,11 @@ MODES: dict[str, dict[str, Any]] = {
         "algorithm.rollout_correction.rollout_is": "token",
         "rlmesh.sampler.partial_chunk_tokens": 16,
         "rlmesh.weight_sync.pause_mode": "in_place",
+    },
+    "over": {
+        "rlmesh.max_staleness": 1,
+        "algorithm.rollout_correction.rollout_is": "token",
+        "rlmesh.over_provision": 0.5,
     },
 }
 # The target of issue 35: partial + in-flight reaches the synchronous run's final accuracy in at most

@@ -484,8 +484,45 @@ def test_attaches_to_redis_and_a_reward_service_already_running(user, tmp_path):
             assert token not in text and redis_password not in text
 
 
+# Generation a step ahead with half a batch more in flight (APRIL): a resume must take up what
+# the checkpoint had in flight, each prompt trained once.
+AHEAD = [
+    "rlmesh.max_staleness=1",
+    "rlmesh.over_provision=0.5",
+    "algorithm.rollout_correction.rollout_is=token",
+]
+IN_FLIGHT = 8 * 2 + 4  # train_batch_size x (max_staleness + 1) + ceil(0.5 x 8)
+
+
+def audit_prompts_of_an_ahead_run(run_dir: Path, last_step: int) -> None:
+    """Across the learners that ran it, every prompt the data cursor handed out was trained once, or
+    is in flight in the last checkpoint; and every step began with IN_FLIGHT groups in flight."""
+    from rlmesh.data import PromptCursor
+    from tests.support.jobs import standing_records
+
+    rows = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+    standing = standing_records(rows)
+    assert sorted(standing) == list(range(1, last_step + 1))
+    trained = [i for row in standing.values() for i in row["prompts"]]
+    state = json.loads((run_dir / f"global_step_{last_step}" / "trainer_state.json").read_text())[
+        "extra_state"
+    ]
+    cursor_state, in_flight = state["data_cursor"], state["prompts_in_flight"]
+    assert cursor_state["epoch"] == 0 and len(in_flight) == IN_FLIGHT - 8, state
+    cursor = PromptCursor(
+        cursor_state["num_items"], shuffle=cursor_state["shuffle"], seed=cursor_state["seed"]
+    )
+    handed_out = [int(i) for i in cursor.epoch_order(0)[: cursor_state["position"]]]
+    twice = sorted(i for i in set(trained) if trained.count(i) > 1)
+    assert not twice, f"prompts trained twice: {twice}"
+    assert sorted(trained + in_flight) == sorted(handed_out), (trained, in_flight, handed_out)
+    steps = [r for r in read_rows(run_dir) if "training/global_step" in r]
+    assert len(steps) >= last_step and {r["training/groups_in_flight"] for r in steps} == {IN_FLIGHT}
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path):
+    """And the run it resumes queues a step ahead, over-provisioned: no prompt skipped or doubled."""
     import signal
 
     from rlmesh.learner import latest_checkpoint
@@ -493,7 +530,7 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path)
 
     run_dir = tmp_path / "interrupted"
     argv = [sys.executable, "-m", "rlmesh.cli", "train", "-c", str(user.config)]
-    overrides = [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=500"]
+    overrides = [f"trainer.default_local_dir={run_dir}", *AHEAD, "trainer.total_training_steps=500"]
     proc = subprocess.Popen(
         [*argv, *overrides],
         cwd=REPO,
@@ -522,8 +559,9 @@ def test_ctrl_c_stops_every_process_and_the_same_command_resumes(user, tmp_path)
     assert stopped_at >= 2
     said = f"[train] last checkpoint: step {stopped_at} ({checkpoint}); running the same command again resumes from it"
     assert said in stdout.splitlines(), stdout[-3000:]
-    again = rlmesh_train(user.config, *overrides[:1], f"trainer.total_training_steps={stopped_at + 1}")
+    again = rlmesh_train(user.config, *overrides[:-1], f"trainer.total_training_steps={stopped_at + 2}")
     summary = summary_of(again)
     assert f"[train] resumed from the checkpoint of step {stopped_at}\n" in again.stdout, again.stdout
-    assert progress_steps(again) == [(stopped_at + 1, stopped_at + 1)]
-    assert summary["steps"] == stopped_at + 1
+    assert progress_steps(again) == [(stopped_at + 1, stopped_at + 2), (stopped_at + 2, stopped_at + 2)]
+    assert summary["steps"] == stopped_at + 2
+    audit_prompts_of_an_ahead_run(run_dir, stopped_at + 2)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_async.py: its three modes are valid configs that differ only where they say, and
+"""benchmarks/bench_async.py: its modes are valid configs that differ only where they say, and
 its summary measures each mode against the synchronous run of the same seed."""
 
 import sys
@@ -22,7 +22,7 @@ def config_of(prep, mode, tmp_path):
     return load_config(str(CPU_DEMO), as_cli(overrides(prep, mode, 1, 40, tmp_path / mode)))
 
 
-def test_the_modes_differ_only_in_staleness_partial_rollouts_and_the_pause(prep, tmp_path):
+def test_the_modes_differ_only_in_staleness_partial_rollouts_the_pause_and_over_provisioning(prep, tmp_path):
     sync, stale1, partial = (config_of(prep, m, tmp_path) for m in ("sync", "stale1", "partial"))
     assert (sync.rlmesh.max_staleness, stale1.rlmesh.max_staleness, partial.rlmesh.max_staleness) == (0, 1, 1)
     assert (
@@ -38,7 +38,14 @@ def test_the_modes_differ_only_in_staleness_partial_rollouts_and_the_pause(prep,
     for cfg in (sync, stale1, partial):  # the task and the learner the same
         assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == RESPONSE_LENGTH
         assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 32
-    assert set(MODES) == {"sync", "stale1", "partial"}
+    over = config_of(prep, "over", tmp_path)
+    assert over.rlmesh.max_staleness == 1 and over.algorithm.rollout_correction.rollout_is == "token"
+    assert (stale1.rlmesh.over_provision, over.rlmesh.over_provision) == (0.0, 0.5)
+    assert (
+        over.rlmesh.sampler.partial_chunk_tokens == 0
+        and over.rlmesh.weight_sync.pause_mode == stale1.rlmesh.weight_sync.pause_mode
+    )
+    assert set(MODES) == {"sync", "stale1", "partial", "over"}
 
 
 def run(accs, step_s=10.0):

@@ -137,22 +137,26 @@ def _engine_problems(name: str, fsdp_key: str, eff: EngineSettings) -> list[str]
 
 def _queue_problems(cfg: RLMeshConfig) -> list[str]:
     """The streams must hold what the learner keeps in flight: batches for ``max_staleness + 1``
-    steps and one more of requeued or late groups. Smaller, replicas would wait on a full
-    trajectory stream that the learner never drains, because it waits for a batch stuck in it."""
+    steps, the ``over_provision`` groups beyond them, and one more batch of requeued or late groups.
+    Smaller, replicas would wait on a full trajectory stream that the learner never drains, because
+    it waits for a batch stuck in it."""
     batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
-    windows = cfg.rlmesh.max_staleness + 2
+    extra = cfg.rlmesh.extra_groups(batch)
+    groups = batch * (cfg.rlmesh.max_staleness + 2) + extra
+    formula = "data.train_batch_size x (rlmesh.max_staleness + 2)"
+    if extra:
+        formula += f" + {extra} (rlmesh.over_provision)"
     queue = cfg.rlmesh.queue
     problems = []
-    if queue.prompt_stream_maxlen < batch * windows:
+    if queue.prompt_stream_maxlen < groups:
         problems.append(
             f"rlmesh.queue.prompt_stream_maxlen={queue.prompt_stream_maxlen} cannot hold the prompts in "
-            f"flight: it must be >= data.train_batch_size x (rlmesh.max_staleness + 2) = {batch * windows}"
+            f"flight: it must be >= {formula} = {groups}"
         )
-    if queue.trajectory_stream_maxlen < batch * n * windows:
+    if queue.trajectory_stream_maxlen < groups * n:
         problems.append(
             f"rlmesh.queue.trajectory_stream_maxlen={queue.trajectory_stream_maxlen} cannot hold the "
-            f"samples in flight: it must be >= data.train_batch_size x {ROLLOUT}.n x "
-            f"(rlmesh.max_staleness + 2) = {batch * n * windows}"
+            f"samples in flight: it must be >= ({formula}) x {ROLLOUT}.n = {groups * n}"
         )
     return problems
 
@@ -204,6 +208,12 @@ def cross_field_warnings(cfg: RLMeshConfig) -> list[str]:
             f"rlmesh.max_staleness={cfg.rlmesh.max_staleness} trains samples up to that many policy versions "
             "old with no importance-sampling correction: set algorithm.rollout_correction.rollout_is=token "
             "(or sequence) to correct for it"
+        )
+    if cfg.rlmesh.over_provision > 0 and cfg.rlmesh.max_staleness == 0:
+        notes.append(
+            f"rlmesh.over_provision={cfg.rlmesh.over_provision} with rlmesh.max_staleness=0: the extra groups "
+            "begun under a step's weights come back one version stale and are generated again; set "
+            "rlmesh.max_staleness >= 1 to train them in the next step (APRIL's recycling)"
         )
     if cfg.trainer.critic_warmup > 1 and not cfg.uses_critic():
         notes.append(

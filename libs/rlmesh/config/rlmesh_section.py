@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -608,6 +609,16 @@ class RlmeshSection(Section):
         ge=0,
         description="policy versions a trajectory may lag the learner; 0 = synchronous on-policy (verl)",
     )
+    over_provision: float = Field(
+        0.0,
+        ge=0.0,
+        le=4.0,
+        description="prompt groups kept in flight beyond the batches of the steps max_staleness queues, "
+        "as a fraction of data.train_batch_size (APRIL's over-provisioning, rounded up): a step trains the "
+        "first train_batch_size groups complete and the rest go on to serve the next one, so engines stay "
+        "full through a step's long tail. Their tokens count toward max_staleness: with 0, those begun "
+        "under a step's weights come back stale and are generated again",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="log level"
     )
@@ -659,6 +670,10 @@ class RlmeshSection(Section):
             if isinstance(section, dict):
                 data[name] = {"port": port, "metrics_port": metrics_port, **section}
         return data
+
+    def extra_groups(self, batch_size: int) -> int:
+        """The groups ``over_provision`` keeps in flight beyond the steps' batches."""
+        return math.ceil(round(self.over_provision * batch_size, 6))
 
     def token(self) -> str:
         """The run's token in clear, for a client to send or a server to check; "" = none."""

@@ -8,7 +8,7 @@ import pytest
 
 from rlmesh.learner.ppo.batch import validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
-from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of
+from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of, index_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.queue.signing import signer_for
 from rlmesh.runtime.launcher import ProcessLauncher
@@ -210,24 +210,79 @@ async def test_collect_times_out_naming_what_is_missing(redis_url):
     await redis.aclose()
 
 
-async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the_cursor(redis_url, tmp_path):
+async def feeder_on(redis_url, items, *, incarnation, extra=0, batch_size=3):
     from rlmesh.data import PromptCursor
 
     redis = connect(redis_url)
-    keys = RunKeys(f"f-{uuid.uuid4().hex[:6]}")
-    items = prompt_items(10)
-    cursor = PromptCursor(len(items), shuffle=True, seed=1)
-    queue = prompt_queue(redis, keys, "learner")
+    queue = prompt_queue(redis, RunKeys(f"f-{uuid.uuid4().hex[:6]}"), "learner")
     await queue.ensure_group()
-    feeder = PromptFeeder(queue, items, cursor, batch_size=3, n=2, incarnation=4)
+    cursor = PromptCursor(len(items), shuffle=True, seed=1)
+    feeder = PromptFeeder(
+        queue, items, cursor, batch_size=batch_size, n=2, incarnation=incarnation, extra=extra
+    )
+    return redis, queue, feeder
+
+
+async def test_feeder_queues_at_most_staleness_plus_one_batches_and_restores_the_cursor(redis_url):
+    items = prompt_items(10)
+    redis, queue, feeder = await feeder_on(redis_url, items, incarnation=4)
     assert await feeder.ensure(1, version=0, max_staleness=1) == [1, 2]
     assert await feeder.ensure(1, version=0, max_staleness=1) == []
     assert await queue.length() == 6
-    after_step_1 = feeder.cursor_after(1)
-    replay = PromptCursor(len(items), shuffle=True, seed=1)
-    replay.load_state_dict(after_step_1)
-    assert replay.next_indices(3) == [int(i) for i in cursor.epoch_order(0)[3:6]]
+    order = [int(i) for i in feeder.cursor.epoch_order(0)]
     tasks = [d.message for d in await queue.claim(6)]
     assert all(incarnation_of(t.group_uid) == 4 and t.n == 2 for t in tasks)
     assert [t.step for t in tasks] == [1, 1, 1, 2, 2, 2]
+    assert [index_of(t.group_uid) for t in tasks] == order[:6]
+    # Step 1 trained on its first two groups and one of step 2's (whichever were complete first).
+    feeder.taken([tasks[0].group_uid, tasks[1].group_uid, tasks[4].group_uid])
+    state = feeder.state_dict()
+    assert state["prompts_in_flight"] == [order[2], order[3], order[5]]
+    # A learner resumed from it enqueues those three first, then draws on past all six.
+    redis2, queue2, resumed = await feeder_on(redis_url, items, incarnation=5)
+    resumed.load_state_dict(state)
+    assert await resumed.ensure(2, version=1, max_staleness=1) == [2, 3]
+    again = [d.message for d in await queue2.claim(10)]
+    assert [index_of(t.group_uid) for t in again] == [
+        order[2],
+        order[3],
+        order[5],
+        order[6],
+        order[7],
+        order[8],
+    ]
+    assert [t.step for t in again] == [2, 2, 2, 3, 3, 3] and all(
+        incarnation_of(t.group_uid) == 5 for t in again
+    )
+    await redis.aclose()
+    await redis2.aclose()
+
+
+async def test_over_provisioning_keeps_extra_groups_in_flight_through_the_steps(redis_url):
+    """APRIL: ``extra`` groups beyond the batches; each step takes a batch and tops the pool up by one."""
+    items = prompt_items(40)
+    redis, queue, feeder = await feeder_on(redis_url, items, incarnation=1, extra=2)
+    await feeder.ensure(1, version=0, max_staleness=1)
+    assert len(feeder.outstanding) == await queue.length() == 3 * 2 + 2
+    assert [len(feeder.enqueued[s]) for s in (1, 2)] == [5, 3]
+    drawn = [index_of(g) for g in feeder.outstanding]
+    for step in range(2, 6):
+        # The step before took any three in flight (the extras included); the window moves on by one batch.
+        feeder.taken(list(feeder.outstanding)[1:4])
+        assert await feeder.ensure(step, version=step - 1, max_staleness=1) == [step + 1]
+        assert len(feeder.enqueued[step + 1]) == 3 and len(feeder.outstanding) == 8
+        feeder.forget_before(step)
+    order = [int(i) for i in feeder.cursor.epoch_order(0)]
+    assert drawn == order[:8]
+    assert feeder.cursor.position == 8 + 4 * 3  # nothing drawn twice or skipped
+    await redis.aclose()
+
+
+async def test_a_checkpoint_of_other_data_is_refused_naming_the_rows(redis_url):
+    items = prompt_items(5)
+    redis, _, feeder = await feeder_on(redis_url, items, incarnation=1)
+    state = {"data_cursor": feeder.cursor.state_dict(), "prompts_in_flight": [1, 9]}
+    with pytest.raises(ValueError, match=r"rows \[9\] outside the training set \(5 rows\)"):
+        feeder.load_state_dict(state)
+    assert feeder.carried == []
     await redis.aclose()

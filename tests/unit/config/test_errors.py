@@ -355,8 +355,34 @@ def test_streams_must_hold_the_batches_in_flight() -> None:
     load_config(None, [*base, "rlmesh.queue.trajectory_stream_maxlen=96"])  # 8 x 4 x (1 + 2): fits
     assert only_problem([*base, "rlmesh.queue.trajectory_stream_maxlen=95"]) == (
         "rlmesh.queue.trajectory_stream_maxlen=95 cannot hold the samples in flight: it must be >= "
-        "data.train_batch_size x actor_rollout_ref.rollout.n x (rlmesh.max_staleness + 2) = 96"
+        "(data.train_batch_size x (rlmesh.max_staleness + 2)) x actor_rollout_ref.rollout.n = 96"
     )
     assert only_problem([*base, "rlmesh.queue.prompt_stream_maxlen=23"]).startswith(
         "rlmesh.queue.prompt_stream_maxlen=23 cannot hold the prompts in flight: it must be >= "
     )
+    # Over-provisioning keeps ceil(0.3 x 8) = 3 groups more in flight.
+    over = [*base, "rlmesh.over_provision=0.3"]
+    load_config(None, [*over, "rlmesh.queue.prompt_stream_maxlen=27"])
+    assert only_problem([*over, "rlmesh.queue.prompt_stream_maxlen=26"]) == (
+        "rlmesh.queue.prompt_stream_maxlen=26 cannot hold the prompts in flight: it must be >= "
+        "data.train_batch_size x (rlmesh.max_staleness + 2) + 3 (rlmesh.over_provision) = 27"
+    )
+
+
+def test_over_provisioning_a_synchronous_run_warns_that_the_extra_groups_come_back_stale() -> None:
+    from rlmesh.config.checks import cross_field_warnings
+
+    sync = load_config(None, ["rlmesh.over_provision=0.5"])
+    assert any(
+        "rlmesh.over_provision=0.5 with rlmesh.max_staleness=0" in n for n in cross_field_warnings(sync)
+    )
+    ahead = load_config(
+        None,
+        [
+            "rlmesh.over_provision=0.5",
+            "rlmesh.max_staleness=1",
+            "algorithm.rollout_correction.rollout_is=token",
+        ],
+    )
+    assert not any("over_provision" in n for n in cross_field_warnings(ahead))
+    assert "rlmesh.over_provision" in only_problem(["rlmesh.over_provision=-0.1"])

@@ -1,4 +1,4 @@
-"""Prompt tasks for upcoming steps, never more than ``1 + max_staleness`` batches ahead.
+"""Prompt tasks for upcoming steps: ``1 + max_staleness`` batches ahead, and ``extra`` groups more.
 
 docs/reliability.md#prompt-tasks-and-incarnations"""
 
@@ -29,6 +29,14 @@ def index_of(group: str) -> int:
     return -1
 
 
+def step_of(group: str) -> int:
+    """The step whose prompts a group uid was enqueued with, or -1 for a uid rlmesh did not make."""
+    parts = group.split(":")
+    if len(parts) >= 2 and parts[1].startswith("s") and parts[1][1:].isdigit():
+        return int(parts[1][1:])
+    return -1
+
+
 def incarnation_of(group: str) -> int:
     """The incarnation encoded in a group uid, or -1 for a uid rlmesh did not make."""
     head = group.split(":", 1)[0]
@@ -47,6 +55,7 @@ class PromptFeeder:
         incarnation: int,
         sampling: common_pb2.SamplingParams | None = None,
         greedy_baseline: bool = False,
+        extra: int = 0,
     ) -> None:
         self.queue = queue
         self.dataset = dataset
@@ -56,9 +65,13 @@ class PromptFeeder:
         self.incarnation = incarnation
         self.sampling = sampling or common_pb2.SamplingParams()
         self.greedy_baseline = greedy_baseline  # ReMax: each task also asks for a greedy baseline
+        # Groups kept in flight beyond the steps' batches (rlmesh.over_provision, APRIL): a step
+        # takes the first batch_size complete ones and the rest serve the next.
+        self.extra = extra
         self.enqueued: dict[int, list[str]] = {}  # step -> group uids
         self.epoch_of: dict[int, int] = {}  # step -> the data epoch its batch starts in
-        self._cursor_before: dict[int, dict[str, Any]] = {}
+        # Dataset indices a checkpoint had in flight (``restore``): enqueued before anything is drawn.
+        self.carried: list[int] = []
         # Every group enqueued and not yet trained on: uid -> (step, task, times enqueued), so a
         # group whose task or samples were lost can be enqueued again.
         self.outstanding: dict[str, tuple[int, trajectory_pb2.PromptTask, int]] = {}
@@ -85,21 +98,29 @@ class PromptFeeder:
         )
 
     async def ensure(self, step: int, version: int, max_staleness: int) -> list[int]:
-        """Enqueues the batches of steps ``step .. step + max_staleness`` not enqueued yet; returns them."""
+        """Enqueues the prompts of steps ``step .. step + max_staleness`` not enqueued yet; returns
+        those steps. Step ``s`` tops the groups in flight up to ``(s - step + 1) * batch_size +
+        extra``: a whole batch in a steady run (the step before took one), more at the start, fewer
+        after a resume that enqueues what its checkpoint had in flight first."""
         added = []
         for s in range(step, step + max_staleness + 1):
             if s in self.enqueued:
                 continue
-            self._cursor_before[s] = copy.deepcopy(self.cursor.state_dict())
+            before = copy.deepcopy(self.cursor.state_dict())
+            carried = self.carried
+            want = (s - step + 1) * self.batch_size + self.extra - len(self.outstanding) - len(carried)
             self.epoch_of[s] = self.cursor.epoch_of_next(self.batch_size)
-            items = [self.dataset[i] for i in self.cursor.next_indices(self.batch_size)]
-            tasks = [self.make_task(item, s, version) for item in items]
+            drawn = self.cursor.next_indices(want) if want > 0 else []
+            tasks = [self.make_task(self.dataset[i], s, version) for i in carried + drawn]
             try:
-                await self.queue.put(tasks)
+                if tasks:
+                    await self.queue.put(tasks)
             except BaseException:
                 # Not enqueued: the next try must draw the same prompts for step s.
-                self.cursor.load_state_dict(self._cursor_before.pop(s))
+                self.cursor.load_state_dict(before)
+                self.epoch_of.pop(s)
                 raise
+            self.carried = []
             self.enqueued[s] = [t.group_uid for t in tasks]
             self.outstanding.update({t.group_uid: (s, t, 1) for t in tasks})
             added.append(s)
@@ -142,15 +163,29 @@ class PromptFeeder:
         for gid in group_uids:
             self.outstanding.pop(gid, None)
 
-    def cursor_after(self, step: int) -> dict[str, Any]:
-        """The data cursor as it was once ``step``'s prompts were taken: what a checkpoint after
-        ``step`` must restore, even if later steps were already enqueued."""
-        if step + 1 in self._cursor_before:
-            return self._cursor_before[step + 1]
-        return copy.deepcopy(self.cursor.state_dict())
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint after a step keeps: the data cursor past every prompt drawn, and the
+        dataset indices of the groups in flight (enqueued, not trained), in the order they were
+        enqueued. A resume enqueues those first, so no prompt is skipped or trained twice, however
+        far ahead the feeder was (``max_staleness``, ``extra``)."""
+        return {
+            "data_cursor": copy.deepcopy(self.cursor.state_dict()),
+            "prompts_in_flight": [index_of(gid) for gid in self.outstanding],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict``'s cursor and prompts in flight. A checkpoint of an older learner
+        holds the cursor only (``data_cursor``: as the step after it draws)."""
+        in_flight = [int(i) for i in state.get("prompts_in_flight", [])]
+        if bad := [i for i in in_flight if not 0 <= i < len(self.dataset)]:
+            raise ValueError(
+                f"the checkpoint's prompts in flight name rows {bad[:5]} outside the training set "
+                f"({len(self.dataset)} rows): it was written for other data"
+            )
+        self.cursor.load_state_dict(state["data_cursor"])
+        self.carried = in_flight
 
     def forget_before(self, step: int) -> None:
         for s in [s for s in self.enqueued if s < step]:
             self.enqueued.pop(s, None)
-            self._cursor_before.pop(s, None)
             self.epoch_of.pop(s, None)

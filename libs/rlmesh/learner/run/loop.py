@@ -29,7 +29,7 @@ from rlmesh.learner.ppo.model_loading import first_policy_version
 from rlmesh.learner.run.collect import StepBatch
 from rlmesh.learner.run.commands import Followers, RankCommand
 from rlmesh.learner.run.dynamic_sampling import GenBatches, draw_in_place
-from rlmesh.learner.run.feeder import PromptFeeder, index_of
+from rlmesh.learner.run.feeder import PromptFeeder, index_of, step_of
 from rlmesh.learner.run.loop_state import START_PAUSED, LoopState, hold_while_paused, wait_for_replicas
 from rlmesh.learner.run.sinks import JSONL_ONLY_PREFIXES, MetricsSinks
 from rlmesh.learner.run.step_metrics import StepClock, job_gpus, step_metrics
@@ -163,7 +163,7 @@ class TrainingLoop:
             except StoppedBeforeLease as e:  # a standby that never took over: nothing to end
                 self.progress(str(e))
                 return
-            await self._resume()
+            await self._resume(w)
             if st.step == 0:  # an engine that has not had the push below takes no work
                 st.version = first_policy_version(cfg.actor_rollout_ref.model.lora_adapter_path)
             await self._roll_forward(w)
@@ -225,7 +225,7 @@ class TrainingLoop:
             # into FAILED before any status can be read: LearnerRun._run, no await in between).
             st.phase = "FINISHED" if not st.stop_requested else "STOPPING"
 
-    async def _resume(self) -> None:
+    async def _resume(self, w: RunWiring) -> None:
         mode = self.cfg.trainer.resume_mode
         path = None
         if mode == "auto":
@@ -241,7 +241,7 @@ class TrainingLoop:
         self.state.step = int(extra["step"])
         self.state.version = int(extra["version"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        self.cursor.load_state_dict(extra["data_cursor"])
+        w.feeder.load_state_dict(extra)
         self.used_window = deque([list(extra.get("used_uids", []))])
         sampling = extra.get("sampling") or {}  # set live before the checkpoint (older ones: none)
         for name in ("temperature", "top_p"):
@@ -280,6 +280,8 @@ class TrainingLoop:
         await retry_redis_with_deadline(
             lambda: w.feeder.ensure(step, st.version, cfg.rlmesh.max_staleness), "enqueue prompts"
         )
+
+        in_flight = len(w.feeder.outstanding)
 
         t_gen = time.monotonic()
         collected = await self._collect(w, step)
@@ -331,6 +333,10 @@ class TrainingLoop:
         # The first step of a learner that replaced one: how many steps the one before trained
         # past the checkpoint, lost with it and done again (the failover's cost).
         metrics["training/redone_steps"], self.redone_steps = float(self.redone_steps), 0
+        # The long tail carried over: groups in flight as the step began, and those of its batch
+        # enqueued for an earlier step (max_staleness, over_provision).
+        metrics["training/groups_in_flight"] = float(in_flight)
+        metrics["training/carried_groups"] = float(sum(0 <= step_of(g) < step for g in collected.groups))
         # What the checkpoint cost the step (with async_checkpoint: its snapshot), and how long the
         # last one written in the background took to write.
         metrics["timing_s/save_checkpoint"] = self.checkpoint_s
@@ -547,7 +553,7 @@ class TrainingLoop:
             "step": step,
             "version": self.state.version,
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "data_cursor": w.feeder.cursor_after(step),
+            **w.feeder.state_dict(),  # the data cursor and the prompts in flight
             "used_uids": sorted(u for uids in self.used_window for u in uids),
             "run_id": self.keys.run_id,
             # Only those a sample within max_staleness of this version could still carry.

@@ -167,6 +167,7 @@ async def wire_run(
             incarnation=incarnation,
             sampling=sampling,
             greedy_baseline=remax,
+            extra=cfg.rlmesh.extra_groups(cfg.data.train_batch_size),
         )
         filter_groups = cfg.algorithm.filter_groups
         collector = BatchCollector(
