@@ -65,6 +65,42 @@ def test_layout_is_verls():
     assert len(batch) == 2 and batch.prompt_length == 3 and batch.response_length == 3
 
 
+def test_masks_positions_and_scores_are_verls_formulas_of_the_padded_rows():
+    """build_batch derives them from the lengths; verl computes them from the padded rows: the
+    attention mask from where the ids are, positions as clip(cumsum(mask) - 1, 0), the score on the
+    last response token (place_scores_on_last_token)."""
+    from rlmesh.algo import place_scores_on_last_token
+    from rlmesh.learner.ppo.batch import compute_position_ids
+
+    rng = np.random.default_rng(0)
+    trajs = [
+        traj(
+            f"g{i}/0",
+            prompt=tuple(int(x) for x in rng.integers(0, 8, int(rng.integers(1, 7)))),
+            response=tuple(int(x) for x in rng.integers(0, 8, int(rng.integers(1, 9)))),
+            score=float(rng.normal()),
+            group=f"g{i}",
+        )
+        for i in range(40)
+    ]
+    for widths in ({}, {"max_prompt_length": 9, "max_response_length": 11}):
+        batch = build_batch(trajs, PAD, **widths)
+        width_p = batch.prompt_length
+        expected_mask = torch.tensor(
+            [[0] * (width_p - len(t.prompt_ids)) + [1] * len(t.prompt_ids) for t in trajs]
+        )
+        response_mask = torch.tensor(
+            [[1] * len(t.response_ids) + [0] * (batch.response_length - len(t.response_ids)) for t in trajs]
+        )
+        attention = torch.cat([expected_mask, response_mask], dim=1)
+        assert torch.equal(batch.attention_mask, attention) and torch.equal(
+            batch.response_mask, response_mask
+        )
+        assert torch.equal(batch.position_ids, compute_position_ids(attention))
+        assert torch.equal(batch.token_level_scores, place_scores_on_last_token(batch.scores, response_mask))
+        assert batch.attention_mask.dtype == batch.position_ids.dtype == torch.int64
+
+
 def test_fixed_widths_and_no_ref():
     batch = build_batch([traj()], PAD, max_prompt_length=5, max_response_length=4)
     assert batch.prompts.shape == (1, 5) and batch.responses.shape == (1, 4)
