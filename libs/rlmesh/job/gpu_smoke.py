@@ -1,5 +1,6 @@
-"""`make gpu-smoke`: the driver, torch's CUDA and sglang, a learner step on CUDA and a 5-step job on
-SGLang, reported in one JSON line. docs/sglang.md#gpu-smoke"""
+"""`make gpu-smoke`: the driver, torch's CUDA and sglang, a learner step on CUDA, a 5-step job with
+the learner on CUDA and a CPU replica, and one on SGLang, reported in one JSON line.
+docs/sglang.md#gpu-smoke"""
 
 from __future__ import annotations
 
@@ -128,14 +129,19 @@ def sglang_job(
     )
     metrics = sorted(workdir.rglob("metrics.jsonl"))
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines()] if metrics else []
+    steps_done = [r for r in rows if "training/global_step" in r]
     return {
-        "ok": proc.returncode == 0 and len(rows) >= steps,
+        "ok": proc.returncode == 0 and len(steps_done) >= steps,
         "exit_code": proc.returncode,
-        "steps": len(rows),
+        "steps": len(steps_done),
         "weight_sync": "nccl" if gpus >= 2 and engine == "sglang" else "gloo",
+        "step_s": [round(r["timing_s/step"], 3) for r in steps_done],
         "seconds": time.perf_counter() - t0,
         "logs": str(workdir),
     }
+
+
+CHECKS = ("deepspeed_step", "cuda_learner_job", "sglang_job")
 
 
 def run(steps: int, keep: Path | None) -> dict[str, Any]:
@@ -143,12 +149,18 @@ def run(steps: int, keep: Path | None) -> dict[str, Any]:
     env = report["environment"]
     say(json.dumps(env))
     if not env["cuda_available"]:
-        report["deepspeed_step"] = report["sglang_job"] = {"ok": None, "skipped": "no CUDA device"}
+        for name in CHECKS:
+            report[name] = {"ok": None, "skipped": "no CUDA device"}
         report["ok"] = False
         return report
     workdir = keep or Path(tempfile.mkdtemp(prefix="rlmesh-gpu-smoke-"))
     for name, check in (
         ("deepspeed_step", lambda: deepspeed_step(workdir / "ds")),
+        # The learner on CUDA, the embedded engine on the CPU: CUDA tensors pushed over gloo.
+        (
+            "cuda_learner_job",
+            lambda: sglang_job(workdir / "cuda-learner", 0, steps, engine="embedded", device="cuda"),
+        ),
         ("sglang_job", lambda: sglang_job(workdir / "job", len(env["gpus"]), steps)),
     ):
         if name == "sglang_job" and importlib.util.find_spec("sglang") is None:
@@ -164,7 +176,7 @@ def run(steps: int, keep: Path | None) -> dict[str, Any]:
                 "trace": traceback.format_exc()[-2000:],
             }
         say(f"{name}: {json.dumps(report[name])}")
-    report["ok"] = all(report[k].get("ok") is not False for k in ("deepspeed_step", "sglang_job"))
+    report["ok"] = all(report[k].get("ok") is not False for k in CHECKS)
     return report
 
 

@@ -22,5 +22,6 @@ def test_without_cuda_it_reports_the_machine_and_skips_every_check(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     env = report["environment"]
     assert env["cuda_available"] is False and env["gpus"] == [] and env["torch"].startswith("2.13.0")
-    assert report["deepspeed_step"] == report["sglang_job"] == {"ok": None, "skipped": "no CUDA device"}
+    skipped = {"ok": None, "skipped": "no CUDA device"}
+    assert report["deepspeed_step"] == report["cuda_learner_job"] == report["sglang_job"] == skipped
     assert report["ok"] is False
