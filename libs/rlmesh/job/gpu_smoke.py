@@ -56,9 +56,10 @@ def environment() -> dict[str, Any]:
     return found
 
 
-def deepspeed_step(workdir: Path) -> dict[str, Any]:
+def deepspeed_step(workdir: Path, device: str = "cuda", dtype: str = "bfloat16") -> dict[str, Any]:
     """One actor step as the learner takes it (``build_engine``: ZeRO-1, bf16) on CUDA: the weights
-    must change and the loss must be finite."""
+    must change and the loss must be finite. (``device``, ``dtype``: the same step on the CPU in
+    float32, which is how it is tested where there is no GPU.)"""
     import torch
 
     from rlmesh.config import EngineSettings, OptimConfig
@@ -66,26 +67,27 @@ def deepspeed_step(workdir: Path) -> dict[str, Any]:
     from rlmesh.learner.ppo.deepspeed_engine import build_engine
     from rlmesh.models import build_tiny_model, build_tokenizer
 
-    path = build_tiny_model(workdir / "model", build_tokenizer(words=["a"]), hidden_size=64, num_layers=2)
-    init_distributed(device="cuda")
+    path = build_tiny_model(workdir / "model", build_tokenizer(), hidden_size=64, num_layers=2)
+    init_distributed(device=device)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).cuda()
-    settings = EngineSettings(zero_stage=1, offload_optimizer=False, offload_param=False, dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(path).to(device)
+    settings = EngineSettings(zero_stage=1, offload_optimizer=False, offload_param=False, dtype=dtype)
     engine, _ = build_engine(model, OptimConfig(lr=1e-3), settings, grad_clip=1.0, world_size=1)
     before = [p.detach().float().clone() for p in engine.module.parameters()]
-    ids = torch.randint(0, model.config.vocab_size, (4, 32), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), device=device)
     t0 = time.perf_counter()
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     changed = any(
         not torch.equal(b, p.detach().float())
         for b, p in zip(before, engine.module.parameters(), strict=True)
     )
     ok = bool(torch.isfinite(loss).item()) and changed
-    return {"ok": ok, "loss": float(loss), "weights_changed": changed, "seconds": time.perf_counter() - t0}
+    return {"ok": ok, "loss": loss.item(), "weights_changed": changed, "seconds": time.perf_counter() - t0}
 
 
 def sglang_job(
@@ -159,7 +161,9 @@ def run(steps: int, keep: Path | None) -> dict[str, Any]:
         # The learner on CUDA, the embedded engine on the CPU: CUDA tensors pushed over gloo.
         (
             "cuda_learner_job",
-            lambda: sglang_job(workdir / "cuda-learner", 0, steps, engine="embedded", device="cuda"),
+            lambda: sglang_job(
+                workdir / "cuda-learner", len(env["gpus"]), steps, engine="embedded", device="cuda"
+            ),
         ),
         ("sglang_job", lambda: sglang_job(workdir / "job", len(env["gpus"]), steps)),
     ):
