@@ -356,50 +356,40 @@ def build_batch(
     # Filled as numpy arrays (row slices take a repeated field without a Python loop), then shared.
     prompts_np = np.full((bs, width_p), pad_token_id, dtype=np.int64)
     responses_np = np.full((bs, width_r), pad_token_id, dtype=np.int64)
+    prompt_mask_np = np.zeros((bs, width_p), dtype=np.int64)
+    response_mask_np = np.zeros((bs, width_r), dtype=np.int64)
     rollout_np = np.zeros((bs, width_r), dtype=np.float32)
     ref_np = np.zeros((bs, width_r), dtype=np.float32) if with_ref else None
     has_rollout_np = np.zeros(bs, dtype=bool)
     for i, t in enumerate(trajectories):
         lp, lr = prompt_lens[i], response_lens[i]
         prompts_np[i, width_p - lp :] = _values(t.prompt_ids)
+        prompt_mask_np[i, width_p - lp :] = 1
         responses_np[i, :lr] = _values(t.response_ids)
+        response_mask_np[i, :lr] = 1
         if len(t.rollout_log_probs):
             rollout_np[i, :lr] = _values(t.rollout_log_probs)
             has_rollout_np[i] = True
         if ref_np is not None:
             ref_np[i, :lr] = _values(t.ref_log_probs)
     prompts, responses = torch.from_numpy(prompts_np), torch.from_numpy(responses_np)
-    # The masks, positions and scores follow from the lengths alone: written whole, not row by row
-    # and not through cumsum (at 16k x 4k tokens each pass over a (bs, L) int64 array is 0.6 GB).
-    lp_col = np.asarray(prompt_lens, dtype=np.int64)[:, None]
-    lr_col = np.asarray(response_lens, dtype=np.int64)[:, None]
-    columns = np.arange(width_p + width_r, dtype=np.int64)
-    first = width_p - lp_col  # each row's first prompt column (prompts are left-padded)
-    attention_mask = torch.from_numpy(((columns >= first) & (columns < width_p + lr_col)).astype(np.int64))
-    response_mask = torch.from_numpy((columns[:width_r] < lr_col).astype(np.int64))
-    # verl's clip(cumsum(mask) - 1, min=0): 0 on the left padding, then 0, 1, ... and the last
-    # position repeated on the right padding.
-    positions_np = columns - first
-    np.clip(positions_np, 0, np.maximum(lp_col + lr_col - 1, 0), out=positions_np)
+    prompt_mask, response_mask = torch.from_numpy(prompt_mask_np), torch.from_numpy(response_mask_np)
     rollout_log_probs = torch.from_numpy(rollout_np)
     ref_log_probs = torch.from_numpy(ref_np) if ref_np is not None else None
     has_rollout = torch.from_numpy(has_rollout_np)
 
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     scores = torch.tensor([t.score for t in trajectories], dtype=torch.float32)
-    # place_scores_on_last_token, from the lengths: each score on its response's last token.
-    token_level_scores = torch.zeros((bs, width_r), dtype=torch.float32)
-    scored = np.flatnonzero(lr_col[:, 0] > 0)
-    token_level_scores[scored, lr_col[scored, 0] - 1] = scores[scored]
     return PPOBatch(
         prompts=prompts,
         responses=responses,
         input_ids=torch.cat([prompts, responses], dim=1),
         attention_mask=attention_mask,
-        position_ids=torch.from_numpy(positions_np),
+        position_ids=compute_position_ids(attention_mask),
         response_mask=response_mask,
         rollout_log_probs=rollout_log_probs,
         ref_log_probs=ref_log_probs,
-        token_level_scores=token_level_scores,
+        token_level_scores=scores_on_last_token(scores, response_lens, width_r),
         scores=scores,
         has_rollout_log_probs=has_rollout,
         index=np.array([t.group_uid for t in trajectories], dtype=object),
@@ -414,6 +404,17 @@ def build_batch(
         ),
         reward_extra=reward_extra_columns([t.reward_extra for t in trajectories]),
     )
+
+
+def scores_on_last_token(scores: torch.Tensor, response_lengths: Sequence[int], width: int) -> torch.Tensor:
+    """``place_scores_on_last_token`` from the response lengths build_batch already has: ``(bs,
+    width)`` zeros with each score at its response's last token (none for an empty response),
+    without the where/amax over the whole mask (at 4k x 4k tokens a fifth of build_batch's time)."""
+    out = torch.zeros((len(response_lengths), width), dtype=scores.dtype)
+    lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+    rows = torch.nonzero(lengths > 0).squeeze(1)
+    out[rows, lengths[rows] - 1] = scores[rows]
+    return out
 
 
 def batch_metrics(
