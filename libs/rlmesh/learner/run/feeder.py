@@ -70,7 +70,7 @@ class PromptFeeder:
         self.extra = extra
         self.enqueued: dict[int, list[str]] = {}  # step -> group uids
         self.epoch_of: dict[int, int] = {}  # step -> the data epoch its batch starts in
-        # Dataset indices a checkpoint had in flight (``restore``): enqueued before anything is drawn.
+        # Dataset indices a checkpoint had in flight (load_state_dict): enqueued before any draw.
         self.carried: list[int] = []
         # Every group enqueued and not yet trained on: uid -> (step, task, times enqueued), so a
         # group whose task or samples were lost can be enqueued again.
