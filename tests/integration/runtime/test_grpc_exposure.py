@@ -146,18 +146,31 @@ async def test_a_flood_of_idle_streams_without_the_token_leaves_the_slots_to_cal
                 for _ in range(limit):
                     # Idle streams: reflection with no request sent, Watch as a stream that sends
                     # headers and no request (refused before reading), and plain Watch calls.
-                    flood.append(ch.stream_stream(REFLECTION)())
-                    flood.append(ch.stream_stream(WATCH)())
-                    flood.append(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()))
-            codes = await asyncio.wait_for(asyncio.gather(*map(_refused_code, flood)), 120)
-            assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+                    flood.append((REFLECTION, ch.stream_stream(REFLECTION)()))
+                    flood.append((WATCH, ch.stream_stream(WATCH)()))
+                    flood.append(
+                        (WATCH, health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()))
+                    )
+            codes = await asyncio.wait_for(asyncio.gather(*(_refused_code(call) for _, call in flood)), 120)
+            # Each is refused for its missing token. gRPC counts a call against the limit from its
+            # arrival, before the token is checked, so on a loaded machine more than `limit` of them
+            # being refused at once can leave one refused for the limit instead: never let in.
+            assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert codes.count(grpc.StatusCode.UNAUTHENTICATED) >= limit, codes
+            # Once they are refused, none holds a slot: a caller with the token gets every one.
             async with _channel(service, TOKEN) as ch:
                 assert [await _score(ch) for _ in range(limit + 1)] == [1] * (limit + 1)
         text = await asyncio.to_thread(scrape_metrics, "127.0.0.1", service.metrics_port)
     finally:
         await service.stop()
-    assert f'code="UNAUTHENTICATED",method="{WATCH}",service="reward"}} {4.0 * limit}' in text
-    assert f'code="UNAUTHENTICATED",method="{REFLECTION}",service="reward"}} {2.0 * limit}' in text
+    # The token check counted each call it refused, by method.
+    for method in (WATCH, REFLECTION):
+        refused = sum(
+            code == grpc.StatusCode.UNAUTHENTICATED
+            for (m, _), code in zip(flood, codes, strict=True)
+            if m == method
+        )
+        assert f'code="UNAUTHENTICATED",method="{method}",service="reward"}} {float(refused)}' in text
 
 
 async def test_idle_watchers_with_the_token_do_hold_slots_which_is_why_watch_needs_it():
