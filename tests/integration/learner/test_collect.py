@@ -8,7 +8,7 @@ import pytest
 
 from rlmesh.learner.ppo.batch import validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
-from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of, index_of
+from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of, index_of, step_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
 from rlmesh.queue.signing import signer_for
 from rlmesh.runtime.launcher import ProcessLauncher
@@ -68,7 +68,9 @@ async def no_requeue(_t):
 def test_group_uids_carry_the_incarnation():
     gid = group_uid(7, 3, 12)
     assert incarnation_of(gid) == 7 and gid.startswith("i7:s3:d12:")
-    assert incarnation_of("whatever") == -1
+    assert (step_of(gid), index_of(gid)) == (3, 12)
+    assert incarnation_of("whatever") == step_of("whatever") == index_of("whatever") == -1
+    assert (step_of("i7:sx:d1:ab"), index_of("i7:s3:d-1:ab")) == (-1, -1)
 
 
 async def test_a_step_takes_whole_groups_and_leaves_the_rest_for_the_next(redis_url):

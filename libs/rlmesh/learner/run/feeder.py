@@ -4,7 +4,6 @@ docs/reliability.md#prompt-tasks-and-incarnations"""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 import uuid
@@ -20,27 +19,27 @@ def group_uid(incarnation: int, step: int, item_index: int) -> str:
     return f"i{incarnation}:s{step}:d{item_index}:{uuid.uuid4().hex[:8]}"
 
 
+def _uid_field(group: str, position: int, letter: str) -> int:
+    """The number after ``letter`` in field ``position`` of a group uid (``group_uid``'s
+    ``i<incarnation>:s<step>:d<index>:<random>``), or -1 where the uid has no such field."""
+    parts = group.split(":")
+    field = parts[position] if len(parts) > position else ""
+    return int(field[1:]) if field[:1] == letter and field[1:].isdigit() else -1
+
+
 def index_of(group: str) -> int:
     """The dataset index encoded in a group uid, or -1 (a prompt rlmesh did not draw from the data)."""
-    parts = group.split(":")
-    if len(parts) >= 3 and parts[2].startswith("d"):
-        with contextlib.suppress(ValueError):
-            return int(parts[2][1:])
-    return -1
+    return _uid_field(group, 2, "d")
 
 
 def step_of(group: str) -> int:
     """The step whose prompts a group uid was enqueued with, or -1 for a uid rlmesh did not make."""
-    parts = group.split(":")
-    if len(parts) >= 2 and parts[1].startswith("s") and parts[1][1:].isdigit():
-        return int(parts[1][1:])
-    return -1
+    return _uid_field(group, 1, "s")
 
 
 def incarnation_of(group: str) -> int:
     """The incarnation encoded in a group uid, or -1 for a uid rlmesh did not make."""
-    head = group.split(":", 1)[0]
-    return int(head[1:]) if head.startswith("i") and head[1:].isdigit() else -1
+    return _uid_field(group, 0, "i")
 
 
 class PromptFeeder:
