@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -30,6 +31,7 @@ async def lifespan(
     app: FastAPI, *, ready_file: str | None, port_holder: dict[str, int] | None
 ) -> AsyncIterator[None]:
     state: EngineState = app.state.engine_state
+    state.loop = asyncio.get_running_loop()
     state.engine.start()
     if ready_file:
         port = (port_holder or {}).get("port")

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import torch
 import uvicorn
@@ -18,6 +19,7 @@ import uvicorn
 from rlmesh.config.loader import ENV_AUTH_TOKEN
 from rlmesh.engine.app import create_app
 from rlmesh.engine.simulated import SimulationSpecError
+from rlmesh.engine.state import EngineState
 from rlmesh.runtime.entry import limit_torch_threads
 from rlmesh.runtime.http_guard import http_limits
 from rlmesh.runtime.logs import configure_logging
@@ -132,8 +134,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # uvicorn raises again the SIGTERM or SIGINT it has already served by stopping cleanly.
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run(sockets=[sock])
+        EngineServer(config, app.state.engine_state).run(sockets=[sock])
     return 0
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's server, whose stop first abandons the waits for weight-group peers: its graceful
+    shutdown waits for every request in flight, and such a wait lasts up to the group's deadline."""
+
+    def __init__(self, config: uvicorn.Config, state: EngineState) -> None:
+        super().__init__(config)
+        self.engine_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.engine_state.stopping()
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

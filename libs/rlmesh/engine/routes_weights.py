@@ -58,7 +58,7 @@ async def init_weights_update_group(req: Request) -> Any:
     state = state_of(req)
     try:
         b = await body_of(req, "master_address", "master_port", "rank_offset", "world_size")
-        await asyncio.to_thread(
+        await state.off_loop_for_peers(
             state.weights.init_group,
             str(b["master_address"]),
             int(b["master_port"]),
@@ -67,6 +67,7 @@ async def init_weights_update_group(req: Request) -> Any:
             str(b.get("group_name", "weight_update_group")),
             str(b.get("backend", "gloo")),
             float(b.get("timeout_s", state.weight_sync_timeout_s)),
+            name="weight-group",
         )
     except Exception as e:
         return ack(False, f"init_weights_update_group failed: {e}")
@@ -80,7 +81,7 @@ async def update_weights_from_distributed(req: Request) -> Any:
         b = await body_of(req, "names", "dtypes", "shapes")
         load_format = b.get("load_format")
         check_load_format(load_format)  # before the thread hop: a bad value is answered at once
-        await asyncio.to_thread(receive_and_load, state, b, load_format)
+        await state.off_loop_for_peers(receive_and_load, state, b, load_format, name="weight-receive")
     except Exception as e:
         state.metrics.weight_updates.labels("distributed", "failed").inc()
         log.error("update_weights_from_distributed failed: %s", e)

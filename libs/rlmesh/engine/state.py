@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from fastapi import Request
@@ -16,8 +17,11 @@ from rlmesh.engine.batching import BatchEngine, GenerationRequest
 from rlmesh.engine.metrics import EngineMetrics
 from rlmesh.engine.sampling import SamplingParams
 from rlmesh.engine.simulated import SimulatedModel, read_simulation_spec, simulation_spec
-from rlmesh.engine.weight_updates import EngineWeights
+from rlmesh.engine.weight_updates import EngineWeights, WeightUpdateError
 from rlmesh.models.tokenizer import load_tokenizer
+from rlmesh.runtime.threads import run_in_daemon_thread
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,6 +35,31 @@ class EngineState:
     tokenizer: PreTrainedTokenizerBase | None
     vocab_size: int
     context: int
+    loop: asyncio.AbstractEventLoop | None = None  # the app's, once it started
+    weight_waits: set[asyncio.Future[Any]] = field(default_factory=set)
+
+    async def off_loop_for_peers(self, fn: Callable[..., T], *args: object, name: str) -> T:
+        """``fn(*args)`` in a daemon thread: a weight group's rendezvous or receive, which waits for
+        its peers up to the group's deadline. ``stopping`` abandons the wait (WeightUpdateError)."""
+        waiting = run_in_daemon_thread(fn, *args, name=name)
+        self.weight_waits.add(waiting)
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if waiting.cancelled() and task is not None and not task.cancelling():
+                raise WeightUpdateError(
+                    "the engine is stopping: it no longer waits for its weight group"
+                ) from None
+            raise
+        finally:
+            self.weight_waits.discard(waiting)
+
+    def stopping(self) -> None:
+        """From the SIGTERM handler: a shutdown waits for requests in flight, and one waiting on a
+        group whose peers never come would hold it up to the group's deadline."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(lambda: [w.cancel() for w in list(self.weight_waits)])
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, rid: str) -> GenerationRequest:
         """Runs one request on the engine's thread; resolves when its last sequence finishes."""
