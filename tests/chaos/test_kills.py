@@ -95,7 +95,9 @@ def kill_at_work(job: Job, run_dir: Path, target: str, pid: int) -> str:
     return f"{held:g} {what}"
 
 
-def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]]) -> Job:
+def kill_during_run(
+    files: Files, run_dir: Path, targets: list[tuple[str, str]], extra: tuple[str, ...] = ()
+) -> Job:
     """Runs a long job and ``kill -9``s each target in turn: ``(target, restarted)`` with target a
     service name or ``"engine of rollout-N"``, and ``restarted`` the service the supervisor must
     start again. The first kill comes once step KILL_AT is done; each next one once that service
@@ -104,7 +106,13 @@ def kill_during_run(files: Files, run_dir: Path, targets: list[tuple[str, str]])
     longer than the kills take on any machine: a fast one would otherwise run out of steps first.)"""
     # The reference as a service of its own (the demo colocates it in the learner): one more to kill.
     job = Job.start(
-        ["-c", str(CPU_DEMO), *overrides(files, run_dir, LONG_RUN_STEPS), "rlmesh.reference.colocated=false"]
+        [
+            "-c",
+            str(CPU_DEMO),
+            *overrides(files, run_dir, LONG_RUN_STEPS),
+            "rlmesh.reference.colocated=false",
+            *extra,
+        ]
     )
     kills = []
     try:
@@ -151,6 +159,18 @@ def test_a_run_goes_on_through_kill_9_of_every_process_but_the_learner(files, tm
         assert any(f"{name} exited with code {code}: restarting it" in line for line in job.lines), name
     log = next((tmp_path / "run" / "services").glob("*/logs/rollout-1.log")).read_text()
     assert "engine lost (its process exited with code -9" in log
+
+
+@pytest.mark.timeout(900)
+def test_replicas_sharing_one_weight_group_go_on_through_kill_9_of_each(files, tmp_path):
+    # Both engines in one group: a kill spends the group for the other too; it gets a new one.
+    targets = [("rollout-0", "rollout-0"), ("engine of rollout-1", "rollout-1")]
+    job = kill_during_run(files, tmp_path / "run", targets, ("rlmesh.weight_sync.group_size=2",))
+    assert any("rollout-0 exited with code -9: restarting it" in line for line in job.lines)
+    assert any("rollout-1 exited with code 3: restarting it" in line for line in job.lines)
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "services").glob("*/logs/rollout-*.log*"))
+    # The engines joined groups of three ranks (the learner and both), before the kills and after.
+    assert logs.count(" of 3 (gloo)") >= 4, logs[-3000:]
 
 
 @pytest.mark.timeout(900)

@@ -183,7 +183,7 @@ def test_an_engine_that_refuses_an_update_before_receiving_is_given_up_at_once(
         pusher = WeightPusher([client], backend="gloo", timeout_s=600)
         try:
             await pusher.connect()
-            pusher.links[0].group_name = "not-a-group"  # the trainer's group stays up, unused
+            pusher.links[0].group.name = "not-a-group"  # the trainer's group stays up, unused
             with pytest.raises(WeightPushError) as refused:
                 await pusher.push([("big", torch.ones(8 << 20))], version=1)  # 32 MB
             pusher.set_engines([client])  # as the learner does before every push

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rlmesh.engine.client import EngineClient, engine_device_of
-from rlmesh.learner.weight_sync.links import weight_sync_backend
+from rlmesh.learner.weight_sync.links import EngineLink, WeightGroup, partition, weight_sync_backend
 from rlmesh.learner.weight_sync.payload import aligned
-from rlmesh.learner.weight_sync.push import WeightPusher
+from rlmesh.learner.weight_sync.push import WeightPusher, whole_groups
 from rlmesh.learner.weight_sync.verify import VERIFY_ROWS, VerifySample, same_values
 from rlmesh.weights.bucket import layout
 
@@ -45,6 +45,45 @@ def test_an_engine_whose_rank_count_changed_gets_a_fresh_link():
     assert [link.ranks for link in pusher.links] == [2, 1]
     assert pusher.links[1] is kept  # same ranks: same link and group
     assert pusher.set_engines([a, b]) == [] and [link.ranks for link in pusher.links] == [1, 1]
+
+
+def _grouped(links):
+    """Puts ``links`` in one group, as a connect would (without its process group)."""
+    group = WeightGroup("g", links[0].backend, list(links), pg=object())
+    for link in links:
+        link.group = group
+    return group
+
+
+def test_engines_are_grouped_by_backend_in_their_order_up_to_group_size():
+    backends = ["gloo", "gloo", "nccl", "gloo", "gloo", "gloo"]
+    links = [EngineLink(EngineClient(f"http://127.0.0.1:{i}"), backend=b) for i, b in enumerate(backends, 1)]
+    ports = [[int(link.client.url.rsplit(":", 1)[1]) for link in g] for g in partition(links, 2)]
+    assert ports == [[1, 2], [4, 5], [6], [3]]
+    assert [len(g) for g in partition(links, 1)] == [1] * 6
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        WeightPusher([], group_size=0)
+
+
+def test_a_group_gives_each_member_the_ranks_after_the_ones_before_it():
+    links = [EngineLink(EngineClient(f"http://127.0.0.1:{i}"), ranks=r) for i, r in enumerate([2, 1, 4], 1)]
+    group = _grouped(links)
+    assert group.world_size == 8 and [group.rank_offset(link) for link in links] == [1, 3, 4]
+
+
+def test_a_group_that_loses_a_member_is_dropped_for_all_and_a_push_takes_whole_groups():
+    a, b, c = (EngineClient(f"http://127.0.0.1:{i}", name=n) for i, n in zip((1, 2, 3), "abc", strict=True))
+    pusher = WeightPusher([a, b, c], group_size=2)
+    _grouped(pusher.links[:2])
+    _grouped(pusher.links[2:])
+    assert [link.name for link in pusher._targets({b.url})] == ["a", "b"]  # b's group whole
+    failed = {"a": "pause_generation: refused"}
+    assert [link.name for link in whole_groups(pusher.links, failed)] == ["c"]
+    assert failed["b"] == "another engine of its weight group failed: a"
+    pusher.links[1].group.pg = None  # not a real group: nothing to destroy
+    pusher.set_engines([b, c])  # a left the registry
+    assert [(link.name, link.group) for link in pusher.links[:1]] == [("b", None)]
+    assert pusher.links[1].group is not None  # c's group had no member leave
 
 
 def test_buckets_are_ordered_so_that_every_tensor_is_aligned_once_flattened():

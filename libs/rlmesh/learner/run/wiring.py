@@ -198,6 +198,7 @@ async def wire_run(
             load_format=None if ws.load_format == "per_tensor" else ws.load_format,
             verify_tensors=ws.verify_tensors,
             pause_mode=ws.pause_mode,
+            group_size=ws.group_size,
         )
         closing.push_async_callback(pusher.close)
         replicas = ReplicaRegistry(redis, keys, ttl_s=q.heartbeat_ttl_s)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rlmesh.engine.client import EngineError
-from rlmesh.learner.weight_sync.links import EngineLink, drop_group
+from rlmesh.learner.weight_sync.links import EngineLink, WeightGroup, drop_group
 from rlmesh.learner.weight_sync.payload import Packer
 from rlmesh.runtime.threads import run_in_daemon_thread
 
@@ -24,12 +24,15 @@ class _PayloadError(Exception):
 async def push_bucket(
     live: list[EngineLink], bucket: list[tuple[str, torch.Tensor]], failed: dict[str, str], packer: Packer
 ) -> None:
-    """Sends ``bucket`` to every engine of ``live``; an engine it fails for is listed in ``failed``.
-    Raises when the payload cannot be built: every engine's group is then spent."""
+    """Sends ``bucket`` to every engine of ``live`` (whole groups: every member of each group
+    there); an engine it fails for is listed in ``failed``, and so is every other member of its
+    group, which the failure spent. Raises when the payload cannot be built: every engine's group
+    is then spent."""
     tensors = [t.detach() for _, t in bucket]
     names = [n for n, _ in bucket]
     dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
     shapes = [list(t.shape) for t in tensors]
+    groups = groups_of(live)
     # The engine must be inside its receive before our broadcast can complete: each engine's
     # call goes out first — it gets there while we prepare the payload — then we broadcast,
     # then take its answer. No weight_version here: it is set once every bucket landed.
@@ -42,7 +45,7 @@ async def push_bucket(
         for link in live
     }
     try:
-        works, errors = await asyncio.to_thread(_start_broadcasts, live, tensors, packer)
+        works, errors = await asyncio.to_thread(_start_broadcasts, groups, tensors, packer)
     except _PayloadError as e:
         # The engines now wait for a broadcast that will not come: their groups are spent.
         packer.forget()
@@ -59,71 +62,107 @@ async def push_bucket(
         raise
     await asyncio.gather(
         *(
-            _settle(link, calls[link.name], works.get(link.name), errors.get(link.name), failed)
-            for link in live
+            _settle(
+                group,
+                {m.name: calls[m.name] for m in group.members},
+                works.get(group.name),
+                errors.get(group.name),
+                failed,
+            )
+            for group in groups
         )
     )
     if any(link.name in failed for link in live):
         packer.forget()  # a transport may still hold the buffer
 
 
+def groups_of(links: list[EngineLink]) -> list[WeightGroup]:
+    """The distinct groups of ``links``, in order; each must be there whole."""
+    groups: dict[int, WeightGroup] = {}
+    for link in links:
+        assert link.group is not None and link.group.pg is not None, f"{link.name} has no weight group"
+        groups.setdefault(id(link.group), link.group)
+    names = {link.name for link in links}
+    for group in groups.values():
+        assert all(m.name in names for m in group.members), f"weight group {group.name} is not whole"
+    return list(groups.values())
+
+
 def _start_broadcasts(
-    live: list[EngineLink], tensors: list[torch.Tensor], packer: Packer
+    groups: list[WeightGroup], tensors: list[torch.Tensor], packer: Packer
 ) -> tuple[dict[str, list[dist.Work]], dict[str, BaseException]]:
-    """Builds the payloads and starts every engine's broadcast, in one worker thread: the bytes
+    """Builds the payloads and starts every group's broadcast, in one worker thread: the bytes
     start to flow as soon as they are ready, with no hop back through the event loop (at tens
-    of MB that hop costs as much as the copy). Every engine's group has its own gloo worker, so
-    the engines receive concurrently. Returns the pending broadcasts and those that failed to
-    start, by engine."""
+    of MB that hop costs as much as the copy). Every group has its own gloo worker, so the groups
+    receive concurrently. Returns the pending broadcasts and those that failed to start, by group."""
     try:
         payloads = {
-            (fmt, backend): packer.payload(tensors, fmt, backend)
-            for fmt, backend in {(link.load_format, link.backend) for link in live}
+            (fmt, group.backend): packer.payload(tensors, fmt, group.backend)
+            for group in groups
+            for fmt in {m.load_format for m in group.members}
         }
     except BaseException as e:
         raise _PayloadError() from e
     works: dict[str, list[dist.Work]] = {}
     errors: dict[str, BaseException] = {}
-    for link in live:
-        assert link.pg is not None
+    for group in groups:
+        assert group.pg is not None
+        # Members of one group share its broadcasts: they must agree on the format.
+        fmt = group.members[0].load_format
         try:
             # All queued at once (as SGLang receives them), then awaited.
-            works[link.name] = [
-                dist.broadcast(t, src=0, group=link.pg, async_op=True)
-                for t in payloads[link.load_format, link.backend]
+            works[group.name] = [
+                dist.broadcast(t, src=0, group=group.pg, async_op=True) for t in payloads[fmt, group.backend]
             ]
         except (RuntimeError, OSError) as e:
-            errors[link.name] = e
+            errors[group.name] = e
     return works, errors
 
 
 async def _settle(
-    link: EngineLink,
-    call: asyncio.Task[str],
+    group: WeightGroup,
+    calls: dict[str, asyncio.Task[str]],
     works: list[dist.Work] | None,
     error: BaseException | None,
     failed: dict[str, str],
 ) -> None:
-    """Waits for one engine's broadcast and answer. An engine that answers with an error before
-    our broadcast to it completed refused the update (or failed receiving): its broadcast is
-    abandoned — not waited out to the group's deadline — and its group left alone."""
+    """Waits for one group's broadcast and its members' answers. A member that answers with an
+    error before our broadcast completed refused the update (or failed receiving): the broadcast
+    is abandoned — not waited out to the group's deadline — and the group left alone. Whatever
+    fails one member fails the group: every member is listed."""
+    why: dict[str, str] = {}
     if error is None and works is not None:
         sent = run_in_daemon_thread(_wait_all, works, name="weight-sync")
-        await asyncio.wait({sent, call}, return_when=asyncio.FIRST_COMPLETED)
-        if not sent.done() and call.exception() is not None:
-            link.busy = True
-            error = call.exception()
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # ends unawaited
-        else:
+        name_of = {call: name for name, call in calls.items()}
+        waiting: set[asyncio.Future] = {sent, *calls.values()}
+        while not sent.done():
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            refused = {name_of[c]: c.exception() for c in done if c is not sent and c.exception() is not None}
+            if refused and not sent.done():
+                group.busy = True
+                why.update({name: f"{type(e).__name__}: {e}" for name, e in refused.items()})
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # ends unawaited
+                break
+        if not group.busy:
             try:
                 await sent
-                await call
-            except (EngineError, RuntimeError, OSError) as e:
+            except (RuntimeError, OSError) as e:
                 error = e
+        if not group.busy and error is None:
+            for name, call in calls.items():
+                try:
+                    await call
+                except (EngineError, RuntimeError, OSError) as e:
+                    why[name] = f"{type(e).__name__}: {e}"
     if error is not None:
+        for name in calls:
+            why.setdefault(name, f"{type(error).__name__}: {error}")
+    if not why:
+        return
+    for name, call in calls.items():
         call.cancel()
-        failed[link.name] = f"{type(error).__name__}: {error}"
-        log.error("engine %s: weight push failed: %s", link.name, error)
+        failed[name] = why.get(name) or f"another engine of its weight group failed: {', '.join(why)}"
+        log.error("engine %s: weight push failed: %s", name, failed[name])
 
 
 def _wait_all(works: Sequence[dist.Work]) -> None:

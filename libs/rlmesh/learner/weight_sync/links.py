@@ -1,8 +1,10 @@
-"""The pusher's engine links: one weight group per engine, built, kept across pushes and dropped,
-so a replica that dies mid-push breaks only its own group (docs/sglang.md)."""
+"""The pusher's engine links and their weight groups, built, kept across pushes and dropped. By
+default each engine has a group of its own, so a replica that dies mid-push breaks only its own;
+``group_size`` > 1 shares one group (one broadcast) among that many engines (docs/sglang.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
@@ -21,25 +23,54 @@ from rlmesh.weights.group import destroy_process_group, init_custom_process_grou
 log = logging.getLogger("rlmesh.weights")
 
 
-@dataclass
+@dataclass(eq=False)
+class WeightGroup:
+    """One process group: the trainer as rank 0, then each member's ranks in order."""
+
+    name: str
+    backend: str
+    members: list[EngineLink]
+    pg: dist.ProcessGroup | None = None
+    # A broadcast on it may still be pending (abandoned when an engine refused the update before
+    # receiving): it must not be destroyed under it.
+    busy: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(m.ranks for m in self.members)
+
+    def rank_offset(self, link: EngineLink) -> int:
+        offset = 1
+        for member in self.members:
+            if member is link:
+                return offset
+            offset += member.ranks
+        raise ValueError(f"{link.name} is not a member of weight group {self.name}")
+
+
+@dataclass(eq=False)
 class EngineLink:
     client: EngineClient
     ranks: int = 1  # the engine's TP size
     backend: str = "gloo"  # of its weight group: weight_sync_backend
-    group_name: str = ""
-    pg: dist.ProcessGroup | None = None
+    group: WeightGroup | None = None
     healthy: bool = True
     # What this engine is sent: the pusher's load_format, or per tensor for a server too old for it.
     load_format: str | None = None
     # False once the engine said it cannot answer /get_weights_by_name (SGLang's Qwen2 cannot).
     verifiable: bool = True
-    # A broadcast on its group may still be pending (abandoned when the engine refused the update
-    # before receiving): the group must not be destroyed under it.
-    busy: bool = False
 
     @property
     def name(self) -> str:
         return self.client.name
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return self.group.pg if self.group is not None else None
+
+    @property
+    def group_name(self) -> str:
+        return self.group.name if self.group is not None else ""
 
 
 def weight_sync_backend(configured: str, trainer_device: str, engine_device: str) -> str:
@@ -81,6 +112,14 @@ def relink(
     return kept, unused
 
 
+def partition(links: Sequence[EngineLink], group_size: int) -> list[list[EngineLink]]:
+    """``links`` in groups of at most ``group_size`` engines of one backend, in their order."""
+    by_backend: dict[str, list[EngineLink]] = {}
+    for link in links:
+        by_backend.setdefault(link.backend, []).append(link)
+    return [same[i : i + group_size] for same in by_backend.values() for i in range(0, len(same), group_size)]
+
+
 def store_socket(master_address: str, first_port: int = 0) -> socket.socket:
     """Where the learner's side of a weight group listens: ``master_address``, the address engines
     are told to dial, and only there. Where that is not an address of this machine (behind NAT or
@@ -102,7 +141,7 @@ def store_socket(master_address: str, first_port: int = 0) -> socket.socket:
 
 
 async def build_group(
-    link: EngineLink,
+    members: Sequence[EngineLink],
     group_name: str,
     failed: dict[str, str],
     *,
@@ -111,26 +150,29 @@ async def build_group(
     timeout_s: float,
     control_timeout_s: float,
     load_format: str | None,
-) -> None:
-    """Builds ``link``'s group (the trainer is rank 0) and settles what the engine is sent; an
-    engine that fails is marked unhealthy and listed in ``failed``."""
-    link.group_name = group_name
+) -> WeightGroup | None:
+    """Builds one group for ``members`` (one backend; the trainer is rank 0) and settles what each
+    engine is sent. Every member is checked reachable before any is asked to join, so that a dead
+    one fails the group at once instead of leaving the others in the rendezvous until its deadline.
+    Where one fails, every member is marked unhealthy and listed in ``failed``."""
+    group = WeightGroup(group_name, members[0].backend, list(members))
     listen = store_socket(master_address, master_port)
     port = listen.getsockname()[1]
-    world = 1 + link.ranks
     own = run_in_daemon_thread(
         functools.partial(
             init_custom_process_group, gloo_interface=gloo_interface_toward(master_address), listen=listen
         ),
-        link.backend,
+        group.backend,
         f"tcp://{bracket(master_address)}:{port}",
-        world,
+        group.world_size,
         0,
         group_name,
         timeout_s,
         name="weight-sync",
     )
-    try:
+    why: dict[str, str] = {}
+
+    async def settle_format(link: EngineLink) -> None:
         # An engine registered at an address the learner cannot reach would otherwise hold
         # every push up for the whole timeout, once per push.
         if not await link.client.reachable(control_timeout_s):
@@ -139,30 +181,95 @@ async def build_group(
         if load_format == FLATTENED_BUCKET and not await link.client.supports_flattened_bucket():
             link.load_format = None
             log.warning("engine %s predates load_format=flattened_bucket: pushing it per tensor", link.name)
-        await link.client.init_weights_update_group(master_address, port, 1, world, group_name, link.backend)
-        link.pg = await own
-    except Exception as e:
-        link.healthy = False
-        failed[link.name] = f"could not build weight group: {e}"
-        log.error("engine %s: weight group failed: %s", link.name, e)
+
+    async def settle_each() -> None:
+        async def one(link: EngineLink) -> None:
+            try:
+                await settle_format(link)
+            except Exception as e:
+                why[link.name] = str(e)
+
+        await asyncio.gather(*(one(link) for link in members))
+
+    async def join_all() -> None:
+        # Each join returns once every rank arrived: the first to fail ends the wait for the rest.
+        joins = {
+            asyncio.create_task(
+                link.client.init_weights_update_group(
+                    master_address, port, group.rank_offset(link), group.world_size, group_name, group.backend
+                )
+            ): link.name
+            for link in members
+        }
+        done, pending = await asyncio.wait([*joins, own], return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            if task is not own:
+                task.cancel()
+        for task in done:
+            if task.exception() is not None:
+                why[joins.get(task, "the trainer")] = str(task.exception())
+
+    await settle_each()
+    if len({link.load_format for link in members}) > 1:
+        # One broadcast serves the whole group: where one member predates flattened_bucket, all
+        # are sent tensor by tensor.
+        for link in members:
+            link.load_format = None
+    if not why:
+        await join_all()
+    if why:
+        for link in members:
+            link.healthy = False
+            cause = why.get(link.name) or f"another engine of its group failed: {', '.join(why)}"
+            failed[link.name] = f"could not build weight group: {cause}"
+            log.error("engine %s: weight group failed: %s", link.name, cause)
         # Our side of the rendezvous gives up at its deadline; don't wait for it here.
         own.add_done_callback(lambda t: t.exception() is None and destroy_process_group(t.result()))
+        return None
+    group.pg = own.result()
+    for link in members:
+        link.group = group
+    return group
 
 
 def drop_group(link: EngineLink) -> None:
-    if link.pg is not None and link.busy:
+    """Drops ``link``'s group, for every member of it (they get a fresh one at the next connect)."""
+    group = link.group
+    if group is None:
+        return
+    for member in group.members:
+        member.group = None
+    if group.busy:
         # Destroying a group under a pending collective can abort the process: let it time out.
-        log.warning("engine %s: weight group %s left to its deadline", link.name, link.group_name)
-    elif link.pg is not None:
-        destroy_process_group(link.pg)
-    link.pg = None
+        log.warning("weight group %s (%s) left to its deadline", group.name, link.name)
+    elif group.pg is not None:
+        destroy_process_group(group.pg)
+    group.pg = None
+
+
+async def retire(group: WeightGroup, still_linked: Sequence[EngineLink], timeout_s: float) -> None:
+    """Asks the members of a dropped group that are still linked and healthy to destroy their side
+    of it: a group spent by another member's failure would otherwise stay open on them."""
+
+    async def one(member: EngineLink) -> None:
+        try:
+            await asyncio.wait_for(member.client.destroy_weights_update_group(group.name), timeout_s)
+        except (EngineError, OSError, TimeoutError) as e:
+            log.warning("engine %s: weight group %s not destroyed: %s", member.name, group.name, e)
+
+    linked = {id(link) for link in still_linked if link.healthy}
+    await asyncio.gather(*(one(m) for m in group.members if id(m) in linked))
 
 
 async def close_link(link: EngineLink) -> None:
-    """Asks a healthy engine to destroy its side of the group, then destroys ours."""
-    if link.pg is not None and link.healthy:
-        try:
-            await link.client.destroy_weights_update_group(link.group_name)
-        except EngineError as e:
-            log.warning("%s", e)
+    """Asks every healthy member of ``link``'s group to destroy its side of it, then destroys ours."""
+    group = link.group
+    if group is None:
+        return
+    for member in group.members:
+        if member.healthy:
+            try:
+                await member.client.destroy_weights_update_group(group.name)
+            except EngineError as e:
+                log.warning("%s", e)
     drop_group(link)

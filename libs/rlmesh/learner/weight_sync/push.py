@@ -16,7 +16,16 @@ from rlmesh.config import RLMeshConfig
 from rlmesh.engine.client import EngineClient
 from rlmesh.learner.weight_sync.broadcast import push_bucket
 from rlmesh.learner.weight_sync.cycle import each, update_cycle
-from rlmesh.learner.weight_sync.links import EngineLink, build_group, close_link, drop_group, relink
+from rlmesh.learner.weight_sync.links import (
+    EngineLink,
+    WeightGroup,
+    build_group,
+    close_link,
+    drop_group,
+    partition,
+    relink,
+    retire,
+)
 from rlmesh.learner.weight_sync.payload import NamedTensors, Packer, aligned, buckets
 from rlmesh.learner.weight_sync.verify import (
     VERIFY_ROWS,
@@ -64,6 +73,21 @@ def weight_master_address(cfg: RLMeshConfig) -> str:
     )
 
 
+def whole_groups(targets: list[EngineLink], failed: dict[str, str]) -> list[EngineLink]:
+    """The engines of ``targets`` whose weight group has no failed member; the other members of
+    a group with one are listed in ``failed`` too (a broadcast needs every member of its group)."""
+    live = []
+    for link in targets:
+        members = link.group.members if link.group is not None else [link]
+        spoilt = [m.name for m in members if m.name in failed]
+        if not spoilt:
+            live.append(link)
+        elif link.name not in failed:
+            failed[link.name] = f"another engine of its weight group failed: {', '.join(spoilt)}"
+            log.error("engine %s: left out of the push: %s", link.name, failed[link.name])
+    return live
+
+
 async def each_bucket(bucketed: Iterable[Bucket] | AsyncIterable[Bucket]) -> AsyncIterator[Bucket]:
     """``bucketed``'s buckets, whether the caller made them as a list, a generator or an async one."""
     if isinstance(bucketed, AsyncIterable):
@@ -94,10 +118,12 @@ class PushReport:
 
 
 class WeightPusher:
-    """Pushes named tensors to inference engines, each over its own weight group (``EngineLink``).
+    """Pushes named tensors to inference engines over weight groups (``EngineLink``,
+    ``WeightGroup``): one per engine, or shared by up to ``group_size`` engines.
 
     Every collective has the group's deadline and every HTTP call its client's: nothing hangs
-    silently. An engine that fails is marked unhealthy, and gets a fresh link when listed again.
+    silently. An engine that fails is marked unhealthy, and gets a fresh link when listed again;
+    a failure that spends a shared group fails each of its members for that push.
     """
 
     def __init__(
@@ -114,13 +140,20 @@ class WeightPusher:
         load_format: str | None = FLATTENED_BUCKET,
         verify_tensors: int = 0,
         pause_mode: str = "retract",
+        group_size: int = 1,
     ) -> None:
         """``master_port``: each engine's group rendezvous takes the lowest free port from it
         up (0: any free port). ``verify_tensors``: after each push, that many of the pushed tensors (spread over the
         model) are compared with what every engine holds (``/get_weights_by_name``, their first
-        ``VERIFY_ROWS`` rows); an engine that differs counts as failed. 0: no check."""
+        ``VERIFY_ROWS`` rows); an engine that differs counts as failed. 0: no check.
+        ``group_size``: engines sharing one weight group, so one broadcast reaches them all (gloo
+        relays it along a tree, NCCL along a ring: the trainer sends about one copy per group, not
+        one per engine); one failing mid-push costs every member of its group that push."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.group_size = group_size
         self.load_format = load_format
         self.pause_mode = pause_mode
         self._packer = Packer()
@@ -137,6 +170,7 @@ class WeightPusher:
         # Unique per pusher: a restarted trainer must not meet its predecessor's group names.
         self.group_prefix = group_prefix or f"rlmesh_weights_{uuid.uuid4().hex[:8]}"
         self._generation = 0
+        self._groups: list[WeightGroup] = []  # built and not yet retired
         self.verify_tensors = verify_tensors
         self._tensors_last_push = 0  # spreads the checked tensors over the model
 
@@ -198,7 +232,7 @@ class WeightPusher:
                     continue
                 sample.offer(bucket)  # while the bucket's tensors are valid
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                live = [link for link in targets if link.name not in failed]
+                live = whole_groups(targets, failed)
                 if live:  # with none left, the buckets are still consumed: under ZeRO-3 every rank iterates
                     await push_bucket(live, aligned(bucket), failed, self._packer)
                 if on_bucket is not None:
@@ -238,21 +272,27 @@ class WeightPusher:
         return {}
 
     async def connect(self, only: set[str] | None = None) -> None:
-        """Builds one group per healthy engine that has none; engines that fail are marked unhealthy."""
+        """Builds groups of up to ``group_size`` for the healthy engines that have none; engines
+        that fail are marked unhealthy."""
+        dropped = [group for group in self._groups if group.pg is None]
+        self._groups = [group for group in self._groups if group.pg is not None]
+        await asyncio.gather(*(retire(group, self.links, self.control_timeout_s) for group in dropped))
         failed: dict[str, str] = {}
         todo = [
             link
             for link in self.healthy_links
             if link.pg is None and (only is None or link.client.url in only)
         ]
-        await asyncio.gather(*(self._connect(link, failed) for link in todo))
+        await asyncio.gather(
+            *(self._connect(members, failed) for members in partition(todo, self.group_size))
+        )
         if failed:
             raise WeightPushError(failed)
 
-    async def _connect(self, link: EngineLink, failed: dict[str, str]) -> None:
+    async def _connect(self, members: list[EngineLink], failed: dict[str, str]) -> None:
         self._generation += 1
-        await build_group(
-            link,
+        group = await build_group(
+            members,
             f"{self.group_prefix}_{self._generation}",
             failed,
             master_address=self.master_address,
@@ -261,9 +301,19 @@ class WeightPusher:
             control_timeout_s=self.control_timeout_s,
             load_format=self.load_format,
         )
+        if group is not None:
+            self._groups.append(group)
 
     def _targets(self, only: set[str] | None) -> list[EngineLink]:
-        return [link for link in self.healthy_links if only is None or link.client.url in only]
+        """The healthy engines of ``only`` (all without it), with every member of their groups: a
+        broadcast reaches a group whole."""
+        named = {
+            id(member)
+            for link in self.healthy_links
+            if only is None or link.client.url in only
+            for member in (link.group.members if link.group is not None else [link])
+        }
+        return [link for link in self.healthy_links if id(link) in named]
 
     def _report(
         self, targets: list[EngineLink], failed: dict[str, str], version: str | int, start: float, sent: int

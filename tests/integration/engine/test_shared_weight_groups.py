@@ -1,0 +1,165 @@
+"""Weight groups shared by several engines (``group_size`` > 1): one broadcast per group reaches
+every member, real engine processes over gloo; a member's death spends its group's push only."""
+
+import asyncio
+import os
+import signal
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.engine.client import EngineClient
+from rlmesh.learner.weight_sync.push import WeightPusher
+from tests.integration.engine.test_weight_sync import PROMPTS, engine_greedy, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, other_model_dir):
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    return start, target
+
+
+def _clients(engines):
+    return [EngineClient(e.url, name=name, timeout_s=120) for name, e in engines.items()]
+
+
+def _groups(pusher):
+    """Each group's members, by name, and the rank each was given, as the pusher holds them."""
+    seen = {}
+    for link in pusher.links:
+        if link.group is not None:
+            seen[id(link.group)] = link.group
+    return [[(m.name, g.rank_offset(m)) for m in g.members] for g in seen.values()]
+
+
+def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_size(
+    launcher, tiny_model_dir, models
+):
+    _, target = models
+    engines = {f"e{i}": launcher.start_engine(tiny_model_dir, name=f"shared-{i}") for i in range(3)}
+
+    async def scenario():
+        clients = _clients(engines)
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, bucket_bytes=16 << 10, group_size=2)
+        try:
+            report = await pusher.push(target.state_dict().items(), version=1)
+            return report, _groups(pusher)
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    report, groups = asyncio.run(scenario())
+    assert sorted(report.engines) == ["e0", "e1", "e2"] and not report.failed
+    # Three engines in groups of at most two: two groups, ranks from 1 up within each.
+    assert groups == [[("e0", 1), ("e1", 2)], [("e2", 1)]]
+    expected = greedy_reference(target, PROMPTS)
+    for e in engines.values():
+        assert engine_greedy(e.url) == expected
+        launcher.stop(e.process)
+
+
+def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_the_next(
+    launcher, tiny_model_dir, models
+):
+    start, target = models
+    engines = {
+        name: launcher.start_engine(tiny_model_dir, name=name) for name in ("a", "doomed", "b", "alone")
+    }
+
+    async def scenario():
+        clients = _clients(engines)
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, bucket_bytes=16 << 10, group_size=3)
+        buckets_done = []
+
+        def kill_after_first_bucket(n_tensors, sent):
+            buckets_done.append(sent)
+            if len(buckets_done) == 1:
+                os.kill(engines["doomed"].process.pid, signal.SIGKILL)
+
+        try:
+            first = await pusher.push(
+                target.state_dict().items(), version=1, on_bucket=kill_after_first_bucket
+            )
+            assert len(buckets_done) > 2, "the push must span several buckets for this test"
+            # The registry no longer lists the dead one; the others are listed again.
+            pusher.set_engines([c for c in clients if c.name != "doomed"])
+            second = await pusher.push(start.state_dict().items(), version=2)
+            return first, second, _groups(pusher)
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    first, second, groups = asyncio.run(scenario())
+    # The dead member spent its group: every member of it failed this push; the engine alone in
+    # the other group took it.
+    assert sorted(first.failed) == ["a", "b", "doomed"] and first.engines == ["alone"]
+    assert first.failed["a"] == first.failed["b"]  # one cause: doomed's refusal or the broken broadcast
+    assert sorted(second.engines) == ["a", "alone", "b"] and not second.failed
+    # The survivors of the spent group share a new one; the engine alone keeps its own.
+    assert groups == [[("a", 1), ("b", 2)], [("alone", 1)]]
+    expected = greedy_reference(start, PROMPTS)
+    for name in ("a", "b", "alone"):
+        assert engine_greedy(engines[name].url) == expected
+        launcher.stop(engines[name].process)
+
+
+def test_a_push_to_some_engines_reaches_every_member_of_their_groups(launcher, tiny_model_dir, models):
+    start, target = models
+    engines = {f"o{i}": launcher.start_engine(tiny_model_dir, name=f"only-{i}") for i in range(3)}
+
+    async def scenario():
+        clients = _clients(engines)
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, group_size=2)
+        try:
+            await pusher.push(start.state_dict().items(), version=1)
+            only = {engines["o0"].url.rstrip("/")}
+            report = await pusher.push(target.state_dict().items(), version=2, only=only)
+            versions = {c.name: (await c.model_info())["weight_version"] for c in clients}
+            return report, versions
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    report, versions = asyncio.run(scenario())
+    # o0 shares its group with o1: a broadcast reaches a group whole, so o1 takes it too; o2 not.
+    assert sorted(report.engines) == ["o0", "o1"]
+    assert versions == {"o0": "2", "o1": "2", "o2": "1"}
+    assert engine_greedy(engines["o1"].url) == greedy_reference(target, PROMPTS)
+    assert engine_greedy(engines["o2"].url) == greedy_reference(start, PROMPTS)
+    for e in engines.values():
+        launcher.stop(e.process)
+
+
+def test_an_engine_waiting_in_a_group_rendezvous_still_stops_on_sigterm(launcher, tiny_model_dir):
+    """As when another member of its group never joins: the engine's join waits for its deadline
+    (here 300 s), and SIGTERM must still stop it within the launcher's grace (10 s), exit code 0."""
+    engine = launcher.start_engine(tiny_model_dir, name="waiting")
+    listen = socket.create_server(("127.0.0.1", 0))  # a rendezvous that takes connections, answers none
+
+    async def join_never_completed():
+        client = EngineClient(engine.url, name="waiting", timeout_s=600)
+        try:
+            return await client.init_weights_update_group(
+                "127.0.0.1", listen.getsockname()[1], 1, 3, "g", "gloo"
+            )
+        finally:
+            await client.aclose()
+
+    async def scenario():
+        joining = asyncio.create_task(join_never_completed())
+        # The engine has taken the call once the rendezvous dialled us.
+        await asyncio.get_running_loop().run_in_executor(None, listen.accept)
+        code = await asyncio.to_thread(launcher.stop, engine.process, 10)
+        joining.cancel()
+        return code
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        listen.close()
