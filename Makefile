@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi),)
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-scale bench-autoscale bench-preflight bench-startup bench-checkpoint clean
+.PHONY: help venv lock redis-server test-tools demo demo-seeds test test-e2e sglang-contract gpu-smoke lock-gpu gpu-lock-check ray-test compose-env compose-test security-test chaos fuzz lint format docs protos bench bench-queue bench-rollout bench-score bench-learner bench-algo bench-all bench-soak bench-peer bench-peer-grpo bench-async bench-scale bench-push-groups bench-autoscale bench-preflight bench-startup bench-checkpoint clean
 
 help:
 	@echo "make demo    set everything up, then run the main job"
@@ -221,6 +221,12 @@ bench-async: venv redis-server
 # (about 15 minutes, 7 GB of memory): SCALE_ARGS='--points 1024x512 --push "" --replicas 64,128'.
 bench-scale: venv redis-server
 	$(BIN)/python benchmarks/bench_scale.py $(SCALE_ARGS)
+
+# Weight pushes to engines on hosts of their own (network namespaces, links shaped to 1 Gbit/s): a
+# group per engine against one shared group, time and bytes out of the learner (needs root; about
+# 10 minutes): PUSH_GROUPS_ARGS='--engines 4,8 --rate-mbit 250'.
+bench-push-groups: venv
+	$(BIN)/python benchmarks/bench_push_groups.py $(PUSH_GROUPS_ARGS)
 
 # How long the autoscaler's fleet takes to follow a step in load up and down, on simulated engines,
 # with the audit (two runs at rlmesh's default settings, about 10 minutes): AUTOSCALE_ARGS='--settings fast --runs 1'.
