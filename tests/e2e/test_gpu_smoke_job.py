@@ -8,9 +8,11 @@ from rlmesh.job.gpu_smoke import deepspeed_step, sglang_job
 
 @pytest.mark.timeout(600)
 def test_the_smoke_job_trains_its_steps_on_the_cpu_engine(tmp_path):
-    result = sglang_job(tmp_path, gpus=0, steps=2, engine="embedded", device="cpu")
+    # As `make gpu-smoke`'s cuda_learner_job: two engines sharing one weight group.
+    result = sglang_job(tmp_path, gpus=0, steps=2, engine="embedded", device="cpu", replicas=2, group_size=2)
     assert result["exit_code"] == 0, result
     assert result["ok"] is True and result["steps"] == 2 and result["weight_sync"] == "gloo"
+    assert result["steps_pushed_over_shared_groups"] >= 1, result  # both engines, one group
     assert len(result["step_s"]) == 2 and all(s > 0 for s in result["step_s"])
 
 

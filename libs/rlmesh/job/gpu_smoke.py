@@ -91,11 +91,20 @@ def deepspeed_step(workdir: Path, device: str = "cuda", dtype: str = "bfloat16")
 
 
 def sglang_job(
-    workdir: Path, gpus: int, steps: int, *, engine: str = "sglang", device: str = "cuda"
+    workdir: Path,
+    gpus: int,
+    steps: int,
+    *,
+    engine: str = "sglang",
+    device: str = "cuda",
+    replicas: int = 1,
+    group_size: int = 1,
 ) -> dict[str, Any]:
     """``rlmesh train`` for ``steps`` steps: a tiny Qwen2 and the arithmetic task built here, one
     SGLang replica, the learner on CUDA; its own processes, its logs under ``workdir``. (``engine``,
-    ``device``: the same job on the CPU engine, which is how it is tested where there is no GPU.)"""
+    ``device``: the same job on the CPU engine, which is how it is tested where there is no GPU.)
+    ``replicas`` engines in weight groups of ``group_size`` (``rlmesh.weight_sync.group_size``):
+    with more than one, some step's push must have reached them all over fewer groups."""
     from rlmesh.data import generate_arithmetic
     from rlmesh.models import build_tiny_model, build_tokenizer
 
@@ -116,6 +125,8 @@ def sglang_job(
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
         "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.n=2",
+        f"rlmesh.rollout.replicas={replicas}",
+        f"rlmesh.weight_sync.group_size={group_size}",
         "algorithm.adv_estimator=grpo",
         f"trainer.device={device}",
         *([f"trainer.n_gpus_per_node={min(gpus, 2)}"] if gpus else []),
@@ -132,8 +143,14 @@ def sglang_job(
     metrics = sorted(workdir.rglob("metrics.jsonl"))
     rows = [json.loads(line) for line in metrics[-1].read_text().splitlines()] if metrics else []
     steps_done = [r for r in rows if "training/global_step" in r]
+    # Steps whose push reached every replica over fewer groups than replicas: a shared group.
+    shared = sum(
+        r.get("weight_sync/engines") == replicas and r.get("weight_sync/groups", replicas) < replicas
+        for r in steps_done
+    )
     return {
-        "ok": proc.returncode == 0 and len(steps_done) >= steps,
+        "ok": proc.returncode == 0 and len(steps_done) >= steps and (group_size == 1 or shared > 0),
+        "steps_pushed_over_shared_groups": shared,
         "exit_code": proc.returncode,
         "steps": len(steps_done),
         "weight_sync": "nccl" if gpus >= 2 and engine == "sglang" else "gloo",
@@ -162,7 +179,13 @@ def run(steps: int, keep: Path | None) -> dict[str, Any]:
         (
             "cuda_learner_job",
             lambda: sglang_job(
-                workdir / "cuda-learner", len(env["gpus"]), steps, engine="embedded", device="cuda"
+                workdir / "cuda-learner",
+                len(env["gpus"]),
+                steps,
+                engine="embedded",
+                device="cuda",
+                replicas=2,
+                group_size=2,  # both engines in one gloo group: one broadcast of CUDA tensors
             ),
         ),
         ("sglang_job", lambda: sglang_job(workdir / "job", len(env["gpus"]), steps)),

@@ -100,8 +100,9 @@ def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_
     assert sorted(first.failed) == ["a", "b", "doomed"] and first.engines == ["alone"]
     assert first.failed["a"] == first.failed["b"]  # one cause: doomed's refusal or the broken broadcast
     assert sorted(second.engines) == ["a", "alone", "b"] and not second.failed
-    # The survivors of the spent group share a new one; the engine alone keeps its own.
-    assert groups == [[("a", 1), ("b", 2)], [("alone", 1)]]
+    # The survivors of the spent group are grouped afresh, and the engine alone (a group under half
+    # the size) joins them: churn does not leave fragments.
+    assert groups == [[("a", 1), ("b", 2), ("alone", 3)]]
     expected = greedy_reference(start, PROMPTS)
     for name in ("a", "b", "alone"):
         assert engine_greedy(engines[name].url) == expected

@@ -47,9 +47,20 @@ def test_an_engine_whose_rank_count_changed_gets_a_fresh_link():
     assert pusher.set_engines([a, b]) == [] and [link.ranks for link in pusher.links] == [1, 1]
 
 
+class _ProcessGroup:
+    """Stands for a process group where nothing is sent: records its shutdown."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def shutdown(self):
+        self.group.shut_down = True
+
+
 def _grouped(links):
-    """Puts ``links`` in one group, as a connect would (without its process group)."""
-    group = WeightGroup("g", links[0].backend, list(links), pg=object())
+    """Puts ``links`` in one group, as a connect would, with a stand-in process group."""
+    group = WeightGroup("g", links[0].backend, list(links))
+    group.pg, group.shut_down = _ProcessGroup(group), False
     for link in links:
         link.group = group
     return group
@@ -84,6 +95,27 @@ def test_a_group_that_loses_a_member_is_dropped_for_all_and_a_push_takes_whole_g
     pusher.set_engines([b, c])  # a left the registry
     assert [(link.name, link.group) for link in pusher.links[:1]] == [("b", None)]
     assert pusher.links[1].group is not None  # c's group had no member leave
+
+
+def test_a_push_to_all_merges_groups_that_churn_left_small():
+    clients = [EngineClient(f"http://127.0.0.1:{i}", name=f"e{i}") for i in range(1, 6)]
+    pusher = WeightPusher(clients, group_size=4)
+    whole, lone_a, lone_b = (
+        _grouped(pusher.links[:3]),
+        _grouped(pusher.links[3:4]),
+        _grouped(pusher.links[4:]),
+    )
+    pusher._groups = [whole, lone_a, lone_b]
+    pusher._merge_fragments()
+    # The two groups of one are dropped (their members grouped afresh by the connect); 3 of 4 stays.
+    assert [link.group for link in pusher.links[3:]] == [None, None]
+    assert lone_a.shut_down and lone_b.shut_down and not whole.shut_down
+    assert all(link.group is whole for link in pusher.links[:3])
+
+    single = WeightPusher(clients[:2])  # group_size 1: every group has one engine, by design
+    single._groups = [_grouped(single.links[:1]), _grouped(single.links[1:])]
+    single._merge_fragments()
+    assert all(link.group is not None for link in single.links)
 
 
 def test_buckets_are_ordered_so_that_every_tensor_is_aligned_once_flattened():

@@ -107,6 +107,7 @@ class PolicyPush:
                 "weight_sync/engines": len(report.engines),
                 "weight_sync/failed_engines": len(failed),
                 "weight_sync/unchecked_engines": len(report.unchecked),
+                "weight_sync/groups": report.groups,
             }
         except WeightPushError as e:
             # No replica took them: each is dead, restarting or cut off. Not the run's end: the
@@ -117,6 +118,7 @@ class PolicyPush:
                 "weight_sync/engines": 0,
                 "weight_sync/failed_engines": len(failed),
                 "weight_sync/unchecked_engines": 0,
+                "weight_sync/groups": 0,
             }
         for name, why in failed.items():
             log.error("replica %s dropped from the push of v%d: %s", name, version, why)

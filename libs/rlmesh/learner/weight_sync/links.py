@@ -229,6 +229,13 @@ async def build_group(
     group.pg = own.result()
     for link in members:
         link.group = group
+    log.info(
+        "weight group %s: %s (%d ranks, %s)",
+        group_name,
+        ", ".join(m.name for m in members),
+        group.world_size,
+        group.backend,
+    )
     return group
 
 

@@ -115,6 +115,7 @@ class PushReport:
     failed: dict[str, str] = field(default_factory=dict)
     # Engines that took the push but cannot read weights back, so it was not checked on them.
     unchecked: list[str] = field(default_factory=list)
+    groups: int = 0  # the weight groups of the engines that took it (transport=disk: none)
 
 
 class WeightPusher:
@@ -273,7 +274,11 @@ class WeightPusher:
 
     async def connect(self, only: set[str] | None = None) -> None:
         """Builds groups of up to ``group_size`` for the healthy engines that have none; engines
-        that fail are marked unhealthy."""
+        that fail are marked unhealthy. On a push to all, fragments (groups left under half the
+        size by failures and engines gone) are merged, so that churn does not leave many small
+        groups, each costing its own copies."""
+        if only is None:
+            self._merge_fragments()
         dropped = [group for group in self._groups if group.pg is None]
         self._groups = [group for group in self._groups if group.pg is not None]
         await asyncio.gather(*(retire(group, self.links, self.control_timeout_s) for group in dropped))
@@ -288,6 +293,19 @@ class WeightPusher:
         )
         if failed:
             raise WeightPushError(failed)
+
+    def _merge_fragments(self) -> None:
+        """Drops every group under half ``group_size`` when two or more such groups, or one and
+        engines with no group, could be one; their members are grouped afresh by ``connect``."""
+        if self.group_size == 1:
+            return
+        small = max(2, self.group_size // 2)
+        fragments = [g for g in self._groups if g.pg is not None and len(g.members) < small]
+        ungrouped = any(link.pg is None for link in self.healthy_links)
+        if len(fragments) + ungrouped < 2:
+            return
+        for group in fragments:
+            drop_group(group.members[0])
 
     async def _connect(self, members: list[EngineLink], failed: dict[str, str]) -> None:
         self._generation += 1
@@ -334,6 +352,9 @@ class WeightPusher:
                 for link in targets
                 if self.verify_tensors and not link.verifiable and link.name not in failed
             ],
+            groups=len(
+                {id(link.group) for link in targets if link.name not in failed and link.group is not None}
+            ),
         )
         if failed and not report.engines:
             raise WeightPushError(failed)
