@@ -179,7 +179,13 @@ def start_engines(launcher: ProcessLauncher, net: Hosts, model_dir: Path, token:
 
 
 async def pushes(
-    urls: list[str], net: Hosts, token: str, weights: dict[str, torch.Tensor], group_size: int, times: int
+    urls: list[str],
+    net: Hosts,
+    token: str,
+    weights: dict[str, torch.Tensor],
+    group_size: int,
+    times: int,
+    load_format: str | None,
 ) -> list[dict[str, Any]]:
     clients = [EngineClient(u, name=f"engine-{i}", timeout_s=600, token=token) for i, u in enumerate(urls)]
     pusher = WeightPusher(
@@ -188,7 +194,7 @@ async def pushes(
         master_address=net.learner_ip,
         timeout_s=600,
         bucket_bytes=512 << 20,
-        load_format="flattened_bucket",
+        load_format=load_format,
         group_size=group_size,
     )
     rows = []
@@ -224,7 +230,9 @@ async def pushes(
 def point(
     launcher: ProcessLauncher, root: Path, engines: int, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    spec = SimulationSpec(weight_bytes=args.mb << 20, tensor_bytes=16 << 20, weight_dtype="bfloat16")
+    spec = SimulationSpec(
+        weight_bytes=args.mb << 20, tensor_bytes=args.tensor_mb << 20, weight_dtype="bfloat16"
+    )
     model_dir = write_simulated_model(root / f"sim-{args.mb}mb", spec)
     weights = {n: torch.randn(p.shape).to(p.dtype) for n, p in SimulatedModel(spec).named_parameters()}
     token = secrets.token_hex(16)
@@ -235,7 +243,8 @@ def point(
         try:
             for size in args.group_sizes:
                 group_size = size or engines
-                rows = asyncio.run(pushes(urls, net, token, weights, group_size, args.pushes))
+                load_format = None if args.load_format == "per_tensor" else args.load_format
+                rows = asyncio.run(pushes(urls, net, token, weights, group_size, args.pushes, load_format))
                 warm = min(rows[1:], key=lambda r: r["seconds"])
                 results.append(
                     {
@@ -243,6 +252,8 @@ def point(
                         "group_size": group_size,
                         "weight_bytes": rows[0]["bytes"],
                         "rate_mbit": args.rate_mbit,
+                        "load_format": args.load_format,
+                        "tensor_mb": args.tensor_mb,
                         "first_push_s": rows[0]["seconds"],
                         "push_s": warm["seconds"],
                         "bytes_out": warm["bytes_out"],
@@ -282,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--mb", type=int, default=32, help="MB of bf16 weights")
     p.add_argument("--rate-mbit", type=int, default=1000, help="every host's link out, Mbit/s")
+    p.add_argument("--tensor-mb", type=int, default=16, help="the weights' tensors are at most this big")
+    p.add_argument(
+        "--load-format",
+        choices=["flattened_bucket", "per_tensor"],
+        default="flattened_bucket",
+        help="per_tensor: one broadcast per tensor, all queued at once (rlmesh.weight_sync.load_format)",
+    )
     p.add_argument("--pushes", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("runs/bench-push-groups"))
     args = p.parse_args(argv)
