@@ -403,9 +403,10 @@ class WeightSyncConfig(Section):
         1,
         ge=1,
         description="engines sharing one weight group (one broadcast reaches them all: the learner sends "
-        "about one copy per group, gloo relays it along a tree, NCCL along a ring); 1 = a group per "
-        "engine, so a replica that dies mid-push costs only its own push; larger costs every member of "
-        "its group that push (docs/sglang.md#weight-groups)",
+        "about one copy per group, gloo relays it along a tree, NCCL along a ring; on gloo use "
+        "load_format=per_tensor, so that the tree pipelines); 1 = a group per engine, so a replica "
+        "that dies mid-push costs only its own push; larger costs every member of its group that push "
+        "(docs/sglang.md#weight-groups)",
     )
     timeout_s: float = Field(300.0, gt=0, description="deadline of one weight push, seconds")
     control_timeout_s: float = Field(
