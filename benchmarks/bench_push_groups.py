@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import torch
 
 from rlmesh.engine.client import EngineClient
 from rlmesh.engine.simulated import SimulatedModel, SimulationSpec, write_simulated_model
-from rlmesh.learner.weight_sync.push import WeightPusher
+from rlmesh.learner.weight_sync.push import PushReport, WeightPusher
 from rlmesh.runtime.health import http_ok
 from rlmesh.runtime.launcher import ProcessLauncher
 
@@ -198,25 +198,47 @@ async def pushes(
         group_size=group_size,
     )
     rows = []
+
+    def before_push() -> int:
+        return net.bytes_out_of_learner()
+
+    def after_push(version: int, seconds: float, report: PushReport, before: int) -> None:
+        rows.append(
+            {
+                "seconds": seconds,
+                "bytes_out": net.bytes_out_of_learner() - before,
+                "bytes": report.bytes_per_engine,
+            }
+        )
+        print(
+            f"  group size {group_size}: push {version} {seconds:.2f} s, {rows[-1]['bytes_out'] / 1e6:,.0f} MB out of the learner",
+            flush=True,
+        )
+
+    await timed_pushes(pusher, clients, weights, times, after_push, before_push)
+    return rows
+
+
+async def timed_pushes(
+    pusher: WeightPusher,
+    clients: list[EngineClient],
+    weights: dict[str, torch.Tensor],
+    times: int,
+    after_push: Callable[[int, float, PushReport, Any], None],
+    before_push: Callable[[], Any] = lambda: None,
+) -> None:
+    """Pushes ``weights`` to every engine ``times`` times, each timed (``after_push(version,
+    seconds, report, what before_push() returned)``), then reads the head of every tensor back from
+    every engine; stops at the first push that missed an engine. Closes the pusher and clients."""
     try:
         for version in range(1, times + 1):
-            before = net.bytes_out_of_learner()
+            before = before_push()
             t0 = time.perf_counter()
             report = await pusher.push(weights.items(), version=version)
             seconds = time.perf_counter() - t0
-            if report.failed or len(report.engines) != len(urls):
-                raise SystemExit(f"push {version} failed on {report.failed}")
-            rows.append(
-                {
-                    "seconds": seconds,
-                    "bytes_out": net.bytes_out_of_learner() - before,
-                    "bytes": report.bytes_per_engine,
-                }
-            )
-            print(
-                f"  group size {group_size}: push {version} {seconds:.2f} s, {rows[-1]['bytes_out'] / 1e6:,.0f} MB out of the learner",
-                flush=True,
-            )
+            if report.failed or len(report.engines) != len(clients):
+                raise SystemExit(f"push {version} to {len(clients)} engines failed on {report.failed}")
+            after_push(version, seconds, report, before)
         mismatches = await pusher.verify(weights)
         if any(mismatches.values()):
             raise SystemExit(f"engines hold other weights than pushed: {mismatches}")
@@ -224,7 +246,6 @@ async def pushes(
         await pusher.close()
         for c in clients:
             await c.aclose()
-    return rows
 
 
 def point(

@@ -50,13 +50,14 @@ from rlmesh.engine.client import EngineClient
 from rlmesh.engine.simulated import SimulatedModel, SimulationSpec, write_simulated_model
 from rlmesh.learner.ppo.batch import build_batch, validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
-from rlmesh.learner.weight_sync.push import WeightPusher
+from rlmesh.learner.weight_sync.push import PushReport, WeightPusher
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
 from rlmesh.runtime.forkserver import ForkServer
 from rlmesh.runtime.launcher import ProcessLauncher
 from rlmesh.v1 import trajectory_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_push_groups import timed_pushes
 from benchmarks.scale_fleet import fleet_point, fleet_table, plot_scale, redis_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,22 +245,14 @@ def push_point(
             bucket_bytes=bucket_mb << 20,
             load_format="flattened_bucket",
         )
-        seconds = []
-        try:
-            for version in (1, 2, 3):
-                t0 = time.perf_counter()
-                report = await pusher.push(weights.items(), version=version)
-                seconds.append(time.perf_counter() - t0)
-                moved = report.bytes_per_engine * len(report.engines)
-                if report.failed or len(report.engines) != engines:
-                    raise SystemExit(f"push {version} to {engines} engines failed on {report.failed}")
-            mismatches = await pusher.verify(weights)  # the head of every tensor, read back
-            if any(mismatches.values()):
-                raise SystemExit(f"engines hold other weights than pushed: {mismatches}")
-        finally:
-            await pusher.close()
-            for c in clients:
-                await c.aclose()
+        seconds, moved = [], 0
+
+        def after_push(version: int, took: float, report: PushReport, _: object) -> None:
+            nonlocal moved
+            seconds.append(took)
+            moved = report.bytes_per_engine * len(report.engines)
+
+        await timed_pushes(pusher, clients, weights, 3, after_push)
         return seconds, moved
 
     try:
