@@ -22,6 +22,12 @@ def models(tiny_model_dir, other_model_dir):
     return start, target
 
 
+@pytest.fixture(scope="module")
+def three(launcher, tiny_model_dir):
+    """Three engines the tests share (each push reaches them all before a test checks them)."""
+    return [launcher.start_engine(tiny_model_dir, name=f"shared-{i}") for i in range(3)]
+
+
 def _clients(engines):
     return [EngineClient(e.url, name=name, timeout_s=120) for name, e in engines.items()]
 
@@ -35,11 +41,9 @@ def _groups(pusher):
     return [[(m.name, g.rank_offset(m)) for m in g.members] for g in seen.values()]
 
 
-def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_size(
-    launcher, tiny_model_dir, models
-):
+def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_size(three, models):
     _, target = models
-    engines = {f"e{i}": launcher.start_engine(tiny_model_dir, name=f"shared-{i}") for i in range(3)}
+    engines = {f"e{i}": e for i, e in enumerate(three)}
 
     async def scenario():
         clients = _clients(engines)
@@ -59,15 +63,17 @@ def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_siz
     expected = greedy_reference(target, PROMPTS)
     for e in engines.values():
         assert engine_greedy(e.url) == expected
-        launcher.stop(e.process)
 
 
 def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_the_next(
-    launcher, tiny_model_dir, models
+    launcher, tiny_model_dir, three, models
 ):
     start, target = models
     engines = {
-        name: launcher.start_engine(tiny_model_dir, name=name) for name in ("a", "doomed", "b", "alone")
+        "a": three[0],
+        "doomed": launcher.start_engine(tiny_model_dir, name="doomed"),
+        "b": three[1],
+        "alone": three[2],
     }
 
     async def scenario():
@@ -106,12 +112,11 @@ def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_
     expected = greedy_reference(start, PROMPTS)
     for name in ("a", "b", "alone"):
         assert engine_greedy(engines[name].url) == expected
-        launcher.stop(engines[name].process)
 
 
-def test_a_push_to_some_engines_reaches_every_member_of_their_groups(launcher, tiny_model_dir, models):
+def test_a_push_to_some_engines_reaches_every_member_of_their_groups(three, models):
     start, target = models
-    engines = {f"o{i}": launcher.start_engine(tiny_model_dir, name=f"only-{i}") for i in range(3)}
+    engines = {f"o{i}": e for i, e in enumerate(three)}
 
     async def scenario():
         clients = _clients(engines)
@@ -133,8 +138,6 @@ def test_a_push_to_some_engines_reaches_every_member_of_their_groups(launcher, t
     assert versions == {"o0": "2", "o1": "2", "o2": "1"}
     assert engine_greedy(engines["o1"].url) == greedy_reference(target, PROMPTS)
     assert engine_greedy(engines["o2"].url) == greedy_reference(start, PROMPTS)
-    for e in engines.values():
-        launcher.stop(e.process)
 
 
 def test_an_engine_waiting_in_a_group_rendezvous_still_stops_on_sigterm(launcher, tiny_model_dir):

@@ -279,9 +279,7 @@ class WeightPusher:
         groups, each costing its own copies."""
         if only is None:
             self._merge_fragments()
-        dropped = [group for group in self._groups if group.pg is None]
-        self._groups = [group for group in self._groups if group.pg is not None]
-        await asyncio.gather(*(retire(group, self.links, self.control_timeout_s) for group in dropped))
+        await self._retire_dropped()
         failed: dict[str, str] = {}
         todo = [
             link
@@ -367,6 +365,13 @@ class WeightPusher:
         return {link.name: await differing(link.client, rows, truncate_size) for link in self.healthy_links}
 
     async def close(self) -> None:
+        """Every engine destroys its side of its groups, the dropped ones not yet retired included."""
         self._packer.forget()
+        await self._retire_dropped()
         for link in self.links:
             await close_link(link)
+
+    async def _retire_dropped(self) -> None:
+        dropped = [group for group in self._groups if group.pg is None]
+        self._groups = [group for group in self._groups if group.pg is not None]
+        await asyncio.gather(*(retire(group, self.links, self.control_timeout_s) for group in dropped))
