@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.engine.client import EngineClient
-from rlmesh.learner.weight_sync.push import WeightPusher
+from rlmesh.learner.weight_sync.push import WeightPusher, WeightPushError
 from tests.integration.engine.test_weight_sync import PROMPTS, engine_greedy, greedy_reference
 
 
@@ -167,3 +167,36 @@ def test_an_engine_waiting_in_a_group_rendezvous_still_stops_on_sigterm(launcher
         assert asyncio.run(scenario()) == 0
     finally:
         listen.close()
+
+
+def test_a_member_that_lost_its_group_refuses_and_the_members_below_it_are_not_held(three, models):
+    """As an engine restarted at its URL would: it no longer knows the group and refuses the update
+    before receiving. The member that receives from it in gloo's tree (with 4 ranks, rank 3 from
+    rank 1) finds its connection closed and fails at once, so the next push reaches every engine
+    (held in a receive until the group's deadline, it would not: its update holds the engine)."""
+    start, target = models
+    engines = {f"r{i}": e for i, e in enumerate(three)}
+
+    async def scenario():
+        clients = _clients(engines)
+        pusher = WeightPusher(clients, backend="gloo", timeout_s=600, group_size=3)
+        try:
+            await pusher.connect()
+            assert _groups(pusher) == [[("r0", 1), ("r1", 2), ("r2", 3)]]
+            await clients[0].destroy_weights_update_group(pusher.links[0].group_name)
+            with pytest.raises(WeightPushError) as refused:
+                await pusher.push(start.state_dict().items(), version=1)
+            pusher.set_engines(clients)  # listed again by the registry
+            return refused.value.failed, await pusher.push(target.state_dict().items(), version=2)
+        finally:
+            await pusher.close()
+            for c in clients:
+                await c.aclose()
+
+    refused, second = asyncio.run(scenario())
+    assert "no weight update group" in refused["r0"]
+    assert refused["r1"] == refused["r2"] == "another engine of its weight group failed: r0"
+    assert sorted(second.engines) == ["r0", "r1", "r2"] and not second.failed
+    expected = greedy_reference(target, PROMPTS)
+    for e in engines.values():
+        assert engine_greedy(e.url) == expected
