@@ -194,8 +194,10 @@ def test_a_member_that_lost_its_group_refuses_and_the_members_below_it_are_not_h
                 await c.aclose()
 
     refused, second = asyncio.run(scenario())
-    assert "no weight update group" in refused["r0"]
-    assert refused["r1"] == refused["r2"] == "another engine of its weight group failed: r0"
+    # Which the learner sees first is a race: r0's refusal, or its closed connection in the broadcast.
+    assert sorted(refused) == ["r0", "r1", "r2"]
+    assert "no weight update group" in refused["r0"] or refused["r0"].startswith("RuntimeError: ")
+    assert refused["r1"] == refused["r2"]  # one cause for the group
     assert sorted(second.engines) == ["r0", "r1", "r2"] and not second.failed
     expected = greedy_reference(target, PROMPTS)
     for e in engines.values():
