@@ -2,6 +2,7 @@
 every member, real engine processes over gloo; a member's death spends its group's push only."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,19 @@ def _clients(engines):
     return [EngineClient(e.url, name=name, timeout_s=120) for name, e in engines.items()]
 
 
+@contextlib.asynccontextmanager
+async def pushing(engines, **settings):
+    """A pusher over gloo to ``engines`` (name -> engine) and its clients, closed after."""
+    clients = _clients(engines)
+    pusher = WeightPusher(clients, backend="gloo", **settings)
+    try:
+        yield clients, pusher
+    finally:
+        await pusher.close()
+        for c in clients:
+            await c.aclose()
+
+
 def _groups(pusher):
     """Each group's members, by name, and the rank each was given, as the pusher holds them."""
     seen = {}
@@ -46,15 +60,9 @@ def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_siz
     engines = {f"e{i}": e for i, e in enumerate(three)}
 
     async def scenario():
-        clients = _clients(engines)
-        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, bucket_bytes=16 << 10, group_size=2)
-        try:
+        async with pushing(engines, timeout_s=120, bucket_bytes=16 << 10, group_size=2) as (_, pusher):
             report = await pusher.push(target.state_dict().items(), version=1)
             return report, _groups(pusher)
-        finally:
-            await pusher.close()
-            for c in clients:
-                await c.aclose()
 
     report, groups = asyncio.run(scenario())
     assert sorted(report.engines) == ["e0", "e1", "e2"] and not report.failed
@@ -77,16 +85,14 @@ def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_
     }
 
     async def scenario():
-        clients = _clients(engines)
-        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, bucket_bytes=16 << 10, group_size=3)
-        buckets_done = []
+        async with pushing(engines, timeout_s=120, bucket_bytes=16 << 10, group_size=3) as (clients, pusher):
+            buckets_done = []
 
-        def kill_after_first_bucket(n_tensors, sent):
-            buckets_done.append(sent)
-            if len(buckets_done) == 1:
-                os.kill(engines["doomed"].process.pid, signal.SIGKILL)
+            def kill_after_first_bucket(n_tensors, sent):
+                buckets_done.append(sent)
+                if len(buckets_done) == 1:
+                    os.kill(engines["doomed"].process.pid, signal.SIGKILL)
 
-        try:
             first = await pusher.push(
                 target.state_dict().items(), version=1, on_bucket=kill_after_first_bucket
             )
@@ -95,10 +101,6 @@ def test_a_member_killed_mid_push_fails_its_group_and_the_survivors_regroup_for_
             pusher.set_engines([c for c in clients if c.name != "doomed"])
             second = await pusher.push(start.state_dict().items(), version=2)
             return first, second, _groups(pusher)
-        finally:
-            await pusher.close()
-            for c in clients:
-                await c.aclose()
 
     first, second, groups = asyncio.run(scenario())
     # The dead member spent its group: every member of it failed this push; the engine alone in
@@ -119,18 +121,12 @@ def test_a_push_to_some_engines_reaches_every_member_of_their_groups(three, mode
     engines = {f"o{i}": e for i, e in enumerate(three)}
 
     async def scenario():
-        clients = _clients(engines)
-        pusher = WeightPusher(clients, backend="gloo", timeout_s=120, group_size=2)
-        try:
+        async with pushing(engines, timeout_s=120, group_size=2) as (clients, pusher):
             await pusher.push(start.state_dict().items(), version=1)
             only = {engines["o0"].url.rstrip("/")}
             report = await pusher.push(target.state_dict().items(), version=2, only=only)
             versions = {c.name: (await c.model_info())["weight_version"] for c in clients}
             return report, versions
-        finally:
-            await pusher.close()
-            for c in clients:
-                await c.aclose()
 
     report, versions = asyncio.run(scenario())
     # o0 shares its group with o1: a broadcast reaches a group whole, so o1 takes it too; o2 not.
@@ -142,7 +138,8 @@ def test_a_push_to_some_engines_reaches_every_member_of_their_groups(three, mode
 
 def test_an_engine_waiting_in_a_group_rendezvous_still_stops_on_sigterm(launcher, tiny_model_dir):
     """As when another member of its group never joins: the engine's join waits for its deadline
-    (here 300 s), and SIGTERM must still stop it within the launcher's grace (10 s), exit code 0."""
+    (the engine's default, 600 s), and SIGTERM must still stop it within the launcher's grace (10 s),
+    exit code 0."""
     engine = launcher.start_engine(tiny_model_dir, name="waiting")
     listen = socket.create_server(("127.0.0.1", 0))  # a rendezvous that takes connections, answers none
 
@@ -178,9 +175,7 @@ def test_a_member_that_lost_its_group_refuses_and_the_members_below_it_are_not_h
     engines = {f"r{i}": e for i, e in enumerate(three)}
 
     async def scenario():
-        clients = _clients(engines)
-        pusher = WeightPusher(clients, backend="gloo", timeout_s=600, group_size=3)
-        try:
+        async with pushing(engines, timeout_s=600, group_size=3) as (clients, pusher):
             await pusher.connect()
             assert _groups(pusher) == [[("r0", 1), ("r1", 2), ("r2", 3)]]
             await clients[0].destroy_weights_update_group(pusher.links[0].group_name)
@@ -188,10 +183,6 @@ def test_a_member_that_lost_its_group_refuses_and_the_members_below_it_are_not_h
                 await pusher.push(start.state_dict().items(), version=1)
             pusher.set_engines(clients)  # listed again by the registry
             return refused.value.failed, await pusher.push(target.state_dict().items(), version=2)
-        finally:
-            await pusher.close()
-            for c in clients:
-                await c.aclose()
 
     refused, second = asyncio.run(scenario())
     # Which the learner sees first is a race: r0's refusal, or its closed connection in the broadcast.
