@@ -59,7 +59,11 @@ class EngineState:
         """From the SIGTERM handler: a shutdown waits for requests in flight, and one waiting on a
         group whose peers never come would hold it up to the group's deadline."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(lambda: [w.cancel() for w in list(self.weight_waits)])
+            self.loop.call_soon_threadsafe(self._abandon_weight_waits)
+
+    def _abandon_weight_waits(self) -> None:
+        for waiting in list(self.weight_waits):
+            waiting.cancel()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, rid: str) -> GenerationRequest:
         """Runs one request on the engine's thread; resolves when its last sequence finishes."""

@@ -95,11 +95,12 @@ def _start_broadcasts(
     start to flow as soon as they are ready, with no hop back through the event loop (at tens
     of MB that hop costs as much as the copy). Every group has its own gloo worker, so the groups
     receive concurrently. Returns the pending broadcasts and those that failed to start, by group."""
+    # Members of one group share its broadcasts: build_group settled one format for them all.
+    formats = {group.name: group.members[0].load_format for group in groups}
     try:
         payloads = {
-            (fmt, group.backend): packer.payload(tensors, fmt, group.backend)
-            for group in groups
-            for fmt in {m.load_format for m in group.members}
+            (fmt, backend): packer.payload(tensors, fmt, backend)
+            for fmt, backend in {(formats[group.name], group.backend) for group in groups}
         }
     except BaseException as e:
         raise _PayloadError() from e
@@ -107,12 +108,11 @@ def _start_broadcasts(
     errors: dict[str, BaseException] = {}
     for group in groups:
         assert group.pg is not None
-        # Members of one group share its broadcasts: they must agree on the format.
-        fmt = group.members[0].load_format
         try:
             # All queued at once (as SGLang receives them), then awaited.
             works[group.name] = [
-                dist.broadcast(t, src=0, group=group.pg, async_op=True) for t in payloads[fmt, group.backend]
+                dist.broadcast(t, src=0, group=group.pg, async_op=True)
+                for t in payloads[formats[group.name], group.backend]
             ]
         except (RuntimeError, OSError) as e:
             errors[group.name] = e

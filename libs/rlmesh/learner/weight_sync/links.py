@@ -72,6 +72,11 @@ class EngineLink:
     def group_name(self) -> str:
         return self.group.name if self.group is not None else ""
 
+    @property
+    def members(self) -> list[EngineLink]:
+        """The engines a broadcast to this one reaches: its group's members, or itself alone."""
+        return self.group.members if self.group is not None else [self]
+
 
 def weight_sync_backend(configured: str, trainer_device: str, engine_device: str) -> str:
     """The backend of one engine's weight group: ``rlmesh.weight_sync.backend`` unless ``auto``;
@@ -268,15 +273,8 @@ async def retire(group: WeightGroup, still_linked: Sequence[EngineLink], timeout
     await asyncio.gather(*(one(m) for m in group.members if id(m) in linked))
 
 
-async def close_link(link: EngineLink) -> None:
+async def close_link(link: EngineLink, timeout_s: float) -> None:
     """Asks every healthy member of ``link``'s group to destroy its side of it, then destroys ours."""
-    group = link.group
-    if group is None:
-        return
-    for member in group.members:
-        if member.healthy:
-            try:
-                await member.client.destroy_weights_update_group(group.name)
-            except EngineError as e:
-                log.warning("%s", e)
+    if link.group is not None:
+        await retire(link.group, link.group.members, timeout_s)
     drop_group(link)

@@ -78,8 +78,7 @@ def whole_groups(targets: list[EngineLink], failed: dict[str, str]) -> list[Engi
     a group with one are listed in ``failed`` too (a broadcast needs every member of its group)."""
     live = []
     for link in targets:
-        members = link.group.members if link.group is not None else [link]
-        spoilt = [m.name for m in members if m.name in failed]
+        spoilt = [m.name for m in link.members if m.name in failed]
         if not spoilt:
             live.append(link)
         elif link.name not in failed:
@@ -327,7 +326,7 @@ class WeightPusher:
             id(member)
             for link in self.healthy_links
             if only is None or link.client.url in only
-            for member in (link.group.members if link.group is not None else [link])
+            for member in link.members
         }
         return [link for link in self.healthy_links if id(link) in named]
 
@@ -369,7 +368,7 @@ class WeightPusher:
         self._packer.forget()
         await self._retire_dropped()
         for link in self.links:
-            await close_link(link)
+            await close_link(link, self.control_timeout_s)
 
     async def _retire_dropped(self) -> None:
         dropped = [group for group in self._groups if group.pg is None]
