@@ -188,7 +188,9 @@ def test_a_member_that_lost_its_group_refuses_and_the_members_below_it_are_not_h
     # Which the learner sees first is a race: r0's refusal, or its closed connection in the broadcast.
     assert sorted(refused) == ["r0", "r1", "r2"]
     assert "no weight update group" in refused["r0"] or refused["r0"].startswith("RuntimeError: ")
-    assert refused["r1"] == refused["r2"]  # one cause for the group
+    # Below r0, r2 may itself see the closed connection first: each names r0 or that connection.
+    for name in ("r1", "r2"):
+        assert "r0" in refused[name] or "Connection closed by peer" in refused[name], refused
     assert sorted(second.engines) == ["r0", "r1", "r2"] and not second.failed
     expected = greedy_reference(target, PROMPTS)
     for e in engines.values():
