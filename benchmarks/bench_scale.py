@@ -38,6 +38,7 @@ import resource
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 
 from rlmesh.engine.client import EngineClient
 from rlmesh.engine.simulated import SimulatedModel, SimulationSpec, write_simulated_model
-from rlmesh.learner.ppo.batch import build_batch, validate_trajectory
+from rlmesh.learner.ppo.batch import BatchBuilder, PPOBatch, validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
 from rlmesh.learner.weight_sync.push import PushReport, WeightPusher
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, trajectory_queue
@@ -92,8 +93,11 @@ def producer(
     shape: tuple[int, int],
     start: Any,
     out: Any,
+    arrive_s: float = 0.0,
 ) -> None:
-    """One replica's share: ``groups`` (their indexes), n trajectories each, put a group at a time."""
+    """One replica's share: ``groups`` (their indexes), n trajectories each, put a group at a time;
+    with ``arrive_s``, the k-th of them at k/len(groups) of ``arrive_s`` (as generation finishes
+    groups over a step), else as fast as it can."""
 
     async def run() -> None:
         redis = connect(url)
@@ -103,7 +107,9 @@ def producer(
         out.put(("ready", worker))
         start.wait()
         t0 = time.perf_counter()
-        for g in groups:
+        for k, g in enumerate(groups):
+            if arrive_s:
+                await asyncio.sleep(max(0.0, t0 + arrive_s * (k + 1) / len(groups) - time.perf_counter()))
             batch = []
             for k in range(n):
                 t = trajectory_pb2.Trajectory()
@@ -115,7 +121,7 @@ def producer(
             size += sum(t.ByteSize() for t in batch)
             for i in range(0, len(batch), PUT_BATCH):
                 await q.put(batch[i : i + PUT_BATCH])
-        out.put((worker, time.perf_counter() - t0, size))
+        out.put((worker, time.perf_counter() - t0, size, time.time()))
         await redis.aclose()
 
     asyncio.run(run())
@@ -129,7 +135,9 @@ def cpu_s() -> float:
 async def learner_side(
     url: str, run_id: str, token: str | None, groups: int, n: int, shape: tuple[int, int]
 ) -> dict[str, float]:
-    """The learner's collection, validation, padding and commit of one step's batch."""
+    """The learner's collection, validation, padding and commit of one step's batch: the rows are
+    written as groups come in (``place_s`` of the collection's time), then finished (``finish_s``);
+    ``ready_at`` is the wall clock when the batch was ready."""
     redis = connect(url)
     keys = RunKeys.signed(run_id, token)
     q = trajectory_queue(redis, keys, "learner", maxlen=10_000_000)
@@ -150,23 +158,43 @@ async def learner_side(
     async def requeue(_: trajectory_pb2.Trajectory) -> None:
         raise AssertionError("nothing in this benchmark is stale")
 
+    timed = {"place_s": 0.0, "finish_s": 0.0}
+
+    class TimedBuilder(BatchBuilder):
+        def add(self, trajectories: Sequence[trajectory_pb2.Trajectory]) -> None:
+            t = time.perf_counter()
+            super().add(trajectories)
+            timed["place_s"] += time.perf_counter() - t
+
+        def finish(self) -> PPOBatch:
+            t = time.perf_counter()
+            batch = super().finish()
+            timed["finish_s"] += time.perf_counter() - t
+            return batch
+
+    def new_batch() -> BatchBuilder:
+        return TimedBuilder(
+            0, rows=groups * n, max_prompt_length=shape[0], max_response_length=shape[1], with_ref=True
+        )
+
     c0, t0 = cpu_s(), time.perf_counter()
-    batch = await collector.collect(groups, version=0, timeout_s=3600, requeue=requeue)
-    t1 = time.perf_counter()
+    batch = await collector.collect(groups, version=0, timeout_s=3600, requeue=requeue, new_batch=new_batch)
+    t1, ready_at = time.perf_counter(), time.time()
     if len(batch.trajectories) != groups * n or any(batch.counts.values()):
         raise SystemExit(f"collected {len(batch.trajectories)} of {groups * n}; refused {batch.counts}")
-    ppo = build_batch(batch.trajectories, 0, max_prompt_length=shape[0], max_response_length=shape[1])
-    t2 = time.perf_counter()
+    ppo = batch.batch
+    assert ppo is not None
     await collector.commit(batch)
-    t3 = time.perf_counter()
+    t2 = time.perf_counter()
     tensor_bytes = sum(v.numel() * v.element_size() for v in vars(ppo).values() if hasattr(v, "numel"))
     del ppo, batch
     await redis.delete(keys.trajectories, keys.used_uids)
     await redis.aclose()
     return {
         "collect_s": t1 - t0,
-        "build_s": t2 - t1,
-        "commit_s": t3 - t2,
+        **timed,
+        "ready_at": ready_at,
+        "commit_s": t2 - t1,
         "learner_cpu_s": cpu_s() - c0,
         "batch_tensor_bytes": float(tensor_bytes),
     }
@@ -189,7 +217,9 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
     start, out = ctx.Event(), ctx.Queue()
     shares = [list(range(w, groups, args.producers)) for w in range(args.producers)]
     procs = [
-        ctx.Process(target=producer, args=(url, run_id, token, w, share, args.n, shape, start, out))
+        ctx.Process(
+            target=producer, args=(url, run_id, token, w, share, args.n, shape, start, out, args.arrive_s)
+        )
         for w, share in enumerate(shares)
     ]
     for p in procs:
@@ -199,14 +229,20 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
         raise SystemExit("a producer sent something before it was ready")
     t0 = time.perf_counter()
     start.set()
+    if args.arrive_s:  # the learner collects as the groups arrive, as in a run
+        learner = asyncio.run(learner_side(url, run_id, token, groups, args.n, shape))
     reports = [out.get(timeout=3600) for _ in procs]
     publish_s = time.perf_counter() - t0
     for p in procs:
         p.join()
     published = asyncio.run(redis_info(url))
-    learner = asyncio.run(learner_side(url, run_id, token, groups, args.n, shape))
+    if not args.arrive_s:  # then the learner, timed alone
+        learner = asyncio.run(learner_side(url, run_id, token, groups, args.n, shape))
     after = asyncio.run(redis_info(url))
-    stream_bytes = sum(size for _, _, size in reports)
+    # What the step waits for after its last trajectory: the last groups' collection, the batch's
+    # rows and finishing it (meaningful with --arrive-s; without, the whole collection).
+    learner["after_last_s"] = learner.pop("ready_at") - max(r[3] for r in reports)
+    stream_bytes = sum(r[2] for r in reports)
     return {
         "trajectories": trajectories,
         "response_tokens": response,
@@ -286,15 +322,16 @@ def push_table(rows: list[dict[str, Any]]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| trajectories x tokens | stream MB | publish s (MB/s) | collect s (MB/s) | pad s | commit s "
-        "| learner CPU s | Redis commands | Redis CPU s | Redis MB held |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trajectories x tokens | stream MB | publish s (MB/s) | collect s (MB/s) | of which rows s | finish s "
+        "| ready after the last s | commit s | learner CPU s | Redis commands | Redis CPU s | Redis MB held |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['trajectories']:,} x {r['response_tokens']:,} | {r['stream_bytes'] / 1e6:,.0f} | "
             f"{r['publish_s']:.2f} ({r['publish_mb_s']:.0f}) | {r['collect_s']:.2f} ({r['collect_mb_s']:.0f}) | "
-            f"{r['build_s']:.2f} | {r['commit_s']:.2f} | {r['learner_cpu_s']:.1f} | {r['redis_commands']:,.0f} | "
+            f"{r['place_s']:.2f} | {r['finish_s']:.3f} | {r['after_last_s']:.2f} | {r['commit_s']:.2f} | "
+            f"{r['learner_cpu_s']:.1f} | {r['redis_commands']:,.0f} | "
             f"{r['redis_cpu_s']:.1f} | {r['redis_step_memory'] / 1e6:,.0f} |"
         )
     return "\n".join(lines)
@@ -333,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--producers", type=int, default=8, help="publishing processes (replicas)")
     p.add_argument("--n", type=int, default=16, help="samples per prompt (a group)")
     p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument(
+        "--arrive-s",
+        type=float,
+        default=0.0,
+        help="spread each point's groups over this many seconds and collect as they arrive (0: publish "
+        "all, then collect)",
+    )
     p.add_argument(
         "--signed", action="store_true", help="sign every entry with a run key, as a run with a token does"
     )
@@ -377,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             say(
                 f"  {row['stream_bytes'] / 1e6:,.0f} MB: published in {row['publish_s']:.2f} s, collected in "
-                f"{row['collect_s']:.2f} s, padded in {row['build_s']:.2f} s, committed in {row['commit_s']:.2f} s"
+                f"{row['collect_s']:.2f} s (rows {row['place_s']:.2f} s), finished in {row['finish_s']:.3f} s, "
+                f"ready {row['after_last_s']:.2f} s after the last, committed in {row['commit_s']:.2f} s"
             )
             record()
     if args.push:

@@ -173,7 +173,7 @@ def fleet_table(rows: list[dict[str, Any]]) -> str:
 
 def plot_scale(records: list[dict[str, Any]], out: Path) -> Path:
     """One figure of bench-scale's results (from one or more results.json): a step's trajectories
-    (publish, collect, pad against the stream's MB), the warm push (seconds against the GB moved,
+    (publish, collect, finish against the stream's MB), the warm push (seconds against the GB moved,
     by engine count) and the fleet (Redis commands a second against replicas, idle and loaded)."""
     import matplotlib
 
@@ -189,10 +189,13 @@ def plot_scale(records: list[dict[str, Any]], out: Path) -> Path:
     mb = [p["stream_bytes"] / 1e6 for p in points]
     for key, label in (
         ("publish_s", "publish (8 producers)"),
-        ("collect_s", "collect + validate"),
-        ("build_s", "pad"),
+        ("collect_s", "collect + validate + write rows"),
+        ("finish_s", "finish the batch"),
+        ("build_s", "pad (before rows were written as groups came)"),
     ):
-        ax.plot(mb, [p[key] for p in points], "o-", label=label)
+        have = [(x, p[key]) for x, p in zip(mb, points, strict=True) if key in p]
+        if have:
+            ax.plot(*zip(*have, strict=True), "o-", label=label)
     ax.set(
         xlabel="one step's trajectories (MB in the stream)",
         ylabel="seconds",
@@ -213,7 +216,8 @@ def plot_scale(records: list[dict[str, Any]], out: Path) -> Path:
         ylabel="seconds (warm)",
         title="A weight push, fanned out",
     )
-    ax.legend()
+    if pushes:
+        ax.legend()
     ax = axes[2]
     fleets.sort(key=lambda f: f["replicas"])
     replicas = [f["replicas"] for f in fleets]

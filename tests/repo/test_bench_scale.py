@@ -38,3 +38,26 @@ def test_a_point_is_trajectories_x_tokens():
     assert parse_points("1024x512,16x4") == [(1024, 512), (16, 4)]
     with pytest.raises(Exception, match=r"TRAJECTORIESxTOKENS, got '1024:512'"):
         parse_points("1024:512")
+
+
+def test_with_arrive_s_the_learner_collects_while_the_groups_arrive(tmp_path):
+    argv = [
+        "--points",
+        "64x16",
+        "--producers",
+        "2",
+        "--n",
+        "4",
+        "--arrive-s",
+        "1",
+        "--push",
+        "",
+        "--replicas",
+        "",
+    ]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    (results,) = tmp_path.glob("*/results.json")
+    (point,) = json.loads(results.read_text())["points"]
+    # Every trajectory was collected (the benchmark stops otherwise), its rows written as it came.
+    assert point["place_s"] > 0 and point["finish_s"] > 0 and point["batch_tensor_bytes"] > 0
+    assert point["trajectories"] == 64 and "after_last_s" in point

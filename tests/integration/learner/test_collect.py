@@ -5,8 +5,9 @@ import math
 import uuid
 
 import pytest
+import torch
 
-from rlmesh.learner.ppo.batch import validate_trajectory
+from rlmesh.learner.ppo.batch import BatchBuilder, build_batch, validate_trajectory
 from rlmesh.learner.run.collect import BatchCollector
 from rlmesh.learner.run.feeder import PromptFeeder, group_uid, incarnation_of, index_of, step_of
 from rlmesh.queue import RunKeys, TrajectoryCollector, connect, prompt_queue, trajectory_queue
@@ -106,6 +107,57 @@ async def test_a_long_group_of_this_step_serves_the_next_and_a_later_steps_compl
     await producer.put(group(slow, 2)[1:])
     nxt = await collector.collect(1, version=2, timeout_s=30, requeue=no_requeue)
     assert [t.uid for t in nxt.trajectories] == [f"{slow}/0", f"{slow}/1"]
+    await redis.aclose()
+
+
+def _sized_group(gid, n, prompt, response):
+    return [
+        trajectory_pb2.Trajectory(
+            uid=f"{gid}/{i}",
+            group_uid=gid,
+            prompt_ids=[7] * prompt,
+            response_ids=[1 + i] * response,
+            policy_version=1,
+            score=float(i),
+        )
+        for i in range(n)
+    ]
+
+
+async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
+    """The batch is the one padded at once from the groups taken, in the order they completed:
+    rows written before a longer group are padded out to it, rows of a group forgotten after they
+    were written (a lost group) leave the batch, and what a call that timed out wrote is kept."""
+    redis, _, producer, _, collector = await setup(redis_url)
+
+    def new_batch():
+        return BatchBuilder(0, rows=4, max_prompt_length=8, max_response_length=8, with_ref=False)
+
+    async def collect(timeout_s):
+        return await collector.collect(2, 1, timeout_s, no_requeue, new_batch=new_batch)
+
+    a, b, c, d, e = (group_uid(3, 1, i) for i in range(5))
+    await producer.put(_sized_group(a, 2, 1, 2) + _sized_group(b, 2, 1, 1)[:1])
+    with pytest.raises(TimeoutError, match="only 1 of 2"):
+        await collect(0.3)
+    await producer.put(_sized_group(c, 2, 5, 6))
+    step = await collect(30)
+    assert step.groups == [a, c] and step.batch.uids == [t.uid for t in step.trajectories]
+    assert (step.batch.prompt_length, step.batch.response_length) == (5, 6)
+    want = build_batch(step.trajectories, 0, with_ref=False)
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "token_level_scores"):
+        assert torch.equal(getattr(step.batch, name), getattr(want, name)), name
+    await collector.commit(step)
+
+    await producer.put(_sized_group(d, 2, 3, 7))
+    with pytest.raises(TimeoutError):
+        await collect(0.3)
+    collector.drop_group(d)
+    await producer.put(_sized_group(b, 2, 1, 1)[1:] + _sized_group(e, 2, 2, 3))
+    step = await collect(30)
+    assert step.groups == [b, e] and step.batch.uids == [f"{b}/0", f"{b}/1", f"{e}/0", f"{e}/1"]
+    assert (step.batch.prompt_length, step.batch.response_length) == (2, 3)
+    assert torch.equal(step.batch.input_ids, build_batch(step.trajectories, 0, with_ref=False).input_ids)
     await redis.aclose()
 
 

@@ -287,3 +287,104 @@ def test_batch_metrics_lengths_and_scores_are_the_samples_against_the_configured
     assert metrics["prompt_length/clip_ratio"] == 0.0
     assert metrics["response/aborted_ratio"] == 0.0  # empty responses never reach a batch
     assert "critic/values/mean" not in metrics
+
+
+def _random_group(rng, g, n=3):
+    out = []
+    for i in range(n):
+        lr = int(rng.integers(1, 12))
+        tokens = sorted(int(v) for v in rng.integers(3, 6, lr)) if rng.random() < 0.5 else None
+        out.append(
+            traj(
+                f"g{g}/{i}",
+                prompt=tuple(int(x) for x in rng.integers(0, 8, int(rng.integers(1, 9)))),
+                response=tuple(int(x) for x in rng.integers(0, 8, lr)),
+                score=float(rng.normal()),
+                rollout=tuple(float(-x) for x in rng.random(lr)) if rng.random() < 0.7 else None,
+                ref=tuple(float(-x) for x in rng.random(lr)),
+                group=f"g{g}",
+                version=3,
+                baseline=float(g),
+                tokens=tokens,
+            )
+        )
+        out[-1].reward_extra[f"k{i % 2}"] = float(i)
+    return out
+
+
+def _assert_same_batch(a, b):
+    for name in (
+        "prompts",
+        "responses",
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_mask",
+        "rollout_log_probs",
+        "ref_log_probs",
+        "token_level_scores",
+        "scores",
+        "has_rollout_log_probs",
+        "reward_baselines",
+    ):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("index", "policy_versions", "token_policy_versions"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.uids == b.uids and a.data_sources == b.data_sources
+    assert a.reward_extra.keys() == b.reward_extra.keys()
+    for name in a.reward_extra:
+        assert np.array_equal(a.reward_extra[name], b.reward_extra[name], equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_written_a_group_at_a_time_is_the_batch_padded_at_once(seed):
+    """Groups whose prompts and responses grow longer and shorter as they come: every row written
+    before a longer one is padded out to it, and the views narrowed to the longest placed."""
+    from rlmesh.algo import place_scores_on_last_token
+    from rlmesh.learner.ppo.batch import BatchBuilder, compute_position_ids
+
+    rng = np.random.default_rng(seed)
+    groups = [_random_group(rng, g) for g in range(7)]
+    builder = BatchBuilder(PAD, rows=24, max_prompt_length=10, max_response_length=14, with_ref=True)
+    for g in groups:
+        builder.add(g)
+    batch = builder.finish()
+    flat = [t for g in groups for t in g]
+    _assert_same_batch(batch, build_batch(flat, PAD))
+    assert batch.prompt_length == max(len(t.prompt_ids) for t in flat) < 10
+    assert batch.response_length == max(len(t.response_ids) for t in flat) < 14
+    assert torch.equal(batch.position_ids, compute_position_ids(batch.attention_mask))
+    assert torch.equal(
+        batch.token_level_scores, place_scores_on_last_token(batch.scores, batch.response_mask)
+    )
+    assert batch.token_policy_versions.min() >= 3
+
+
+def test_a_pickled_batch_carries_its_rows_not_the_builders_buffers():
+    import pickle
+
+    from rlmesh.learner.ppo.batch import BatchBuilder
+
+    builder = BatchBuilder(PAD, rows=64, max_prompt_length=4096, max_response_length=4096, with_ref=True)
+    builder.add(_random_group(np.random.default_rng(0), 0))
+    batch = builder.finish()
+    data = pickle.dumps(batch)
+    assert len(data) < 64 * 1024  # the buffers are 64 x 8192 x 8 bytes each: 4 MiB
+    _assert_same_batch(pickle.loads(data), batch)
+
+
+def test_a_builder_refuses_what_does_not_fit_and_keeps_what_it_has():
+    from rlmesh.learner.ppo.batch import BatchBuilder
+
+    builder = BatchBuilder(PAD, rows=3, max_prompt_length=4, max_response_length=3, with_ref=True)
+    builder.add([traj("a", ref=(-1.0, -1.0))])
+    with pytest.raises(BatchError, match=r"'b'.*response_ids.*max_response_length=3"):
+        builder.add([traj("c", ref=(-1.0, -1.0)), traj("b", response=(1, 2, 3, 4), ref=(-1.0,) * 4)])
+    with pytest.raises(BatchError, match=r"'d'.*ref_log_probs.*missing"):
+        builder.add([traj("d")])
+    with pytest.raises(ValueError, match="holds 3 rows: 1 placed, 3 more given"):
+        builder.add([traj(u, ref=(-1.0, -1.0)) for u in "efg"])
+    batch = builder.finish()
+    assert batch.uids == ["a"] and batch.response_length == 2 and batch.prompt_length == 3
+    with pytest.raises(ValueError, match="at least one trajectory"):
+        BatchBuilder(PAD, rows=1, max_prompt_length=1, max_response_length=1, with_ref=False).finish()

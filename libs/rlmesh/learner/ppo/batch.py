@@ -22,6 +22,7 @@ __all__ = [
     "MAX_REWARD_EXTRA_KEYS",
     "MAX_TRAJECTORY_BYTES",
     "MIN_LOG_PROB",
+    "BatchBuilder",
     "BatchError",
     "PPOBatch",
     "batch_metrics",
@@ -95,6 +96,11 @@ class PPOBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def __getstate__(self) -> dict[str, object]:
+        # BatchBuilder's tensors are views into buffers of the configured widths; torch pickles a
+        # view's whole storage, so the other ranks would be sent every buffer whole.
+        return {name: _compact(value) for name, value in self.__dict__.items()}
+
     @property
     def prompt_length(self) -> int:
         return int(self.prompts.shape[1])
@@ -127,6 +133,16 @@ class PPOBatch:
             reward_baselines=None if self.reward_baselines is None else self.reward_baselines[idx],
             reward_extra={name: values[np_idx] for name, values in self.reward_extra.items()},
         )
+
+
+def _compact(value: object) -> object:
+    """``value``, or a tensor's own copy where it is a view of a larger storage."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.untyped_storage().nbytes() != value.numel() * value.element_size()
+    ):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
 
 
 def _values(values: Sequence[float] | Sequence[int]) -> np.ndarray:
@@ -295,128 +311,6 @@ def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
 
 
-def build_batch(
-    trajectories: Sequence[Trajectory],
-    pad_token_id: int,
-    *,
-    max_prompt_length: int | None = None,
-    max_response_length: int | None = None,
-    with_ref: bool | None = None,
-    with_baselines: bool | None = None,
-) -> PPOBatch:
-    """Pad ``trajectories``  into a :class:`PPOBatch`.
-
-    Args:
-        trajectories: at least one; all valid (see :func:`validate_trajectory`).
-        pad_token_id: written at padded positions of ``prompts``/``responses``/``input_ids``.
-        max_prompt_length: pad prompts to this width (verl pads to ``data.max_prompt_length``);
-            default the longest prompt.
-        max_response_length: pad responses to this width (verl: ``data.max_response_length``);
-            default the longest response.
-        with_ref: whether the batch carries reference log-probs (every trajectory must have
-            them; False: any are ignored); default whether the trajectories carry them.
-        with_baselines: whether the batch carries ``reward_baselines`` (every trajectory must
-            have a ``baseline_score``; False: any are ignored); default whether the
-            trajectories carry them.
-
-    Raises:
-        BatchError: an invalid trajectory (named by uid and field), ref log-probs or baselines
-            on some trajectories but not others, or a sequence longer than a given width.
-    """
-    if not trajectories:
-        raise ValueError("build_batch needs at least one trajectory")
-    for t in trajectories:
-        problem = _problem(t)
-        if problem is not None:
-            raise BatchError(t.uid, *problem)
-    has_ref = [len(t.ref_log_probs) > 0 for t in trajectories]
-    if with_ref is None:
-        with_ref = any(has_ref)
-    if with_ref and not all(has_ref):
-        missing = next(t for t, has in zip(trajectories, has_ref, strict=True) if not has)
-        raise BatchError(missing.uid, "ref_log_probs", "missing while the batch needs them")
-    has_baseline = [t.HasField("baseline_score") for t in trajectories]
-    if with_baselines is None:
-        with_baselines = any(has_baseline)
-    if with_baselines and not all(has_baseline):
-        missing = next(t for t, has in zip(trajectories, has_baseline, strict=True) if not has)
-        raise BatchError(missing.uid, "baseline_score", "missing while the batch needs them")
-
-    prompt_lens = [len(t.prompt_ids) for t in trajectories]
-    response_lens = [len(t.response_ids) for t in trajectories]
-    width_p = max(prompt_lens) if max_prompt_length is None else max_prompt_length
-    width_r = max(response_lens) if max_response_length is None else max_response_length
-    for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
-        if lp > width_p:
-            raise BatchError(t.uid, "prompt_ids", f"{lp} tokens exceed max_prompt_length={width_p}")
-        if lr > width_r:
-            raise BatchError(t.uid, "response_ids", f"{lr} tokens exceed max_response_length={width_r}")
-
-    bs = len(trajectories)
-    # Filled as numpy arrays (row slices take a repeated field without a Python loop), then shared.
-    prompts_np = np.full((bs, width_p), pad_token_id, dtype=np.int64)
-    responses_np = np.full((bs, width_r), pad_token_id, dtype=np.int64)
-    prompt_mask_np = np.zeros((bs, width_p), dtype=np.int64)
-    response_mask_np = np.zeros((bs, width_r), dtype=np.int64)
-    rollout_np = np.zeros((bs, width_r), dtype=np.float32)
-    ref_np = np.zeros((bs, width_r), dtype=np.float32) if with_ref else None
-    has_rollout_np = np.zeros(bs, dtype=bool)
-    for i, t in enumerate(trajectories):
-        lp, lr = prompt_lens[i], response_lens[i]
-        prompts_np[i, width_p - lp :] = _values(t.prompt_ids)
-        prompt_mask_np[i, width_p - lp :] = 1
-        responses_np[i, :lr] = _values(t.response_ids)
-        response_mask_np[i, :lr] = 1
-        if len(t.rollout_log_probs):
-            rollout_np[i, :lr] = _values(t.rollout_log_probs)
-            has_rollout_np[i] = True
-        if ref_np is not None:
-            ref_np[i, :lr] = _values(t.ref_log_probs)
-    prompts, responses = torch.from_numpy(prompts_np), torch.from_numpy(responses_np)
-    prompt_mask, response_mask = torch.from_numpy(prompt_mask_np), torch.from_numpy(response_mask_np)
-    rollout_log_probs = torch.from_numpy(rollout_np)
-    ref_log_probs = torch.from_numpy(ref_np) if ref_np is not None else None
-    has_rollout = torch.from_numpy(has_rollout_np)
-
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    scores = torch.tensor([t.score for t in trajectories], dtype=torch.float32)
-    return PPOBatch(
-        prompts=prompts,
-        responses=responses,
-        input_ids=torch.cat([prompts, responses], dim=1),
-        attention_mask=attention_mask,
-        position_ids=compute_position_ids(attention_mask),
-        response_mask=response_mask,
-        rollout_log_probs=rollout_log_probs,
-        ref_log_probs=ref_log_probs,
-        token_level_scores=scores_on_last_token(scores, response_lens, width_r),
-        scores=scores,
-        has_rollout_log_probs=has_rollout,
-        index=np.array([t.group_uid for t in trajectories], dtype=object),
-        uids=[t.uid for t in trajectories],
-        policy_versions=np.array([t.policy_version for t in trajectories], dtype=np.int64),
-        token_policy_versions=token_policy_versions(trajectories, width_r),
-        data_sources=[t.data_source for t in trajectories],
-        reward_baselines=(
-            torch.tensor([t.baseline_score for t in trajectories], dtype=torch.float32)
-            if with_baselines
-            else None
-        ),
-        reward_extra=reward_extra_columns([t.reward_extra for t in trajectories]),
-    )
-
-
-def scores_on_last_token(scores: torch.Tensor, response_lengths: Sequence[int], width: int) -> torch.Tensor:
-    """``place_scores_on_last_token`` from the response lengths build_batch already has: ``(bs,
-    width)`` zeros with each score at its response's last token (none for an empty response),
-    without the where/amax over the whole mask (at 4k x 4k tokens a fifth of build_batch's time)."""
-    out = torch.zeros((len(response_lengths), width), dtype=scores.dtype)
-    lengths = torch.as_tensor(response_lengths, dtype=torch.long)
-    rows = torch.nonzero(lengths > 0).squeeze(1)
-    out[rows, lengths[rows] - 1] = scores[rows]
-    return out
-
-
 def batch_metrics(
     batch: PPOBatch,
     token_level_rewards: torch.Tensor,
@@ -449,19 +343,6 @@ def batch_metrics(
     return metrics
 
 
-def token_policy_versions(trajectories: Sequence[Trajectory], width: int) -> np.ndarray:
-    """(bs, width) int64: the version that sampled each response token (``token_policy_versions``,
-    else the trajectory's ``policy_version`` for all of it); padding holds the row's last value."""
-    versions_of = np.array([t.policy_version for t in trajectories], dtype=np.int64)
-    out = np.repeat(versions_of[:, None], width, axis=1)  # one write, not a row at a time
-    for i, t in enumerate(trajectories):
-        if len(t.token_policy_versions):
-            versions = np.asarray(t.token_policy_versions, dtype=np.int64)
-            out[i, : len(versions)] = versions
-            out[i, len(versions) :] = versions[-1]
-    return out
-
-
 def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:
     """``training/staleness/{mean,max,min}`` over the batch's response tokens: how many policy
     versions the weights that sampled each token lag ``version``, the weights the step trains (0
@@ -474,3 +355,234 @@ def staleness_metrics(batch: PPOBatch, version: int) -> dict[str, float]:
         "training/staleness/max": float(lag.max()),
         "training/staleness/min": float(lag.min()),
     }
+
+
+class BatchBuilder:
+    """A :class:`PPOBatch` written a group at a time, as its trajectories arrive.
+
+    Rows go into buffers of the configured widths, made once per batch; every row placed is kept
+    padded to the longest prompt and response placed so far (a longer one pads the rows before it
+    by one block write per column). :meth:`finish` is then views narrowed to those widths and the
+    per-row columns: what is left to do when a step's last group arrives is that group's rows, not
+    the whole batch (16k rows of 4k tokens took 12 s to pad at once; docs/scale.md).
+
+    The views share buffers: ``prompts`` and ``responses`` are column ranges of ``input_ids``,
+    ``response_mask`` of ``attention_mask``. A pickled batch sends only its views' values.
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        *,
+        rows: int,
+        max_prompt_length: int,
+        max_response_length: int,
+        with_ref: bool,
+        with_baselines: bool | None = None,
+    ) -> None:
+        """``rows`` is the most trajectories :meth:`add` takes; ``with_ref``: every trajectory
+        must carry reference log-probs (False: any are ignored); ``with_baselines``: every one must
+        carry a ``baseline_score`` (False: ignored; None: whether the first... all or none do)."""
+        width = max_prompt_length + max_response_length
+        self.pad_token_id = pad_token_id
+        self.rows = rows
+        self.max_prompt_length = max_prompt_length
+        self.max_response_length = max_response_length
+        self.with_ref = with_ref
+        self.with_baselines = with_baselines
+        self.n = 0  # rows placed
+        self.prompt_width = 0  # the window every placed row is padded to
+        self.response_width = 0
+        # np.empty where the window's padding is written; np.zeros (calloc'd, untouched pages cost
+        # nothing) where padding is 0, so only the tokens of a row are ever written there.
+        self._ids = np.empty((rows, width), dtype=np.int64)
+        self._attention_mask = np.zeros((rows, width), dtype=np.int64)
+        self._position_ids = np.zeros((rows, width), dtype=np.int64)
+        self._rollout = np.zeros((rows, max_response_length), dtype=np.float32)
+        self._ref = np.zeros((rows, max_response_length), dtype=np.float32) if with_ref else None
+        self._token_scores = np.zeros((rows, max_response_length), dtype=np.float32)
+        self._versions = np.empty((rows, max_response_length), dtype=np.int64)
+        self._has_rollout = np.zeros(rows, dtype=bool)
+        self._last_position = np.zeros(rows, dtype=np.int64)
+        self._last_version = np.zeros(rows, dtype=np.int64)
+        self._arange = np.arange(width, dtype=np.int64)
+        self._uids: list[str] = []
+        self._group_uids: list[str] = []
+        self._policy_versions: list[int] = []
+        self._data_sources: list[str] = []
+        self._scores: list[float] = []
+        self._baselines: list[float | None] = []
+        self._extras: list[Mapping[str, float]] = []
+
+    def widen(self, prompt_width: int, response_width: int) -> None:
+        """Pads every row, those placed and those to come, to at least these widths."""
+        P, n = self.max_prompt_length, self.n
+        if prompt_width > self.prompt_width:
+            self._ids[:n, P - prompt_width : P - self.prompt_width] = self.pad_token_id
+            self.prompt_width = prompt_width
+        if response_width > self.response_width:
+            old = slice(P + self.response_width, P + response_width)
+            self._ids[:n, old] = self.pad_token_id
+            self._position_ids[:n, old] = self._last_position[:n, None]
+            self._versions[:n, self.response_width : response_width] = self._last_version[:n, None]
+            self.response_width = response_width
+
+    def add(self, trajectories: Sequence[Trajectory]) -> None:
+        """Places ``trajectories`` (each valid, see :func:`validate_trajectory`) as the next rows.
+
+        Raises:
+            BatchError: an invalid trajectory, one without reference log-probs or a baseline the
+                batch needs, or one longer than the configured widths; nothing of the call placed.
+        """
+        if self.n + len(trajectories) > self.rows:
+            raise ValueError(
+                f"the batch holds {self.rows} rows: {self.n} placed, {len(trajectories)} more given"
+            )
+        prompt_lens = [len(t.prompt_ids) for t in trajectories]
+        response_lens = [len(t.response_ids) for t in trajectories]
+        for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
+            problem = _problem(t)
+            if problem is not None:
+                raise BatchError(t.uid, *problem)
+            if self.with_ref and not len(t.ref_log_probs):
+                raise BatchError(t.uid, "ref_log_probs", "missing while the batch needs them")
+            if self.with_baselines and not t.HasField("baseline_score"):
+                raise BatchError(t.uid, "baseline_score", "missing while the batch needs them")
+            if lp > self.max_prompt_length:
+                raise BatchError(
+                    t.uid, "prompt_ids", f"{lp} tokens exceed max_prompt_length={self.max_prompt_length}"
+                )
+            if lr > self.max_response_length:
+                raise BatchError(
+                    t.uid,
+                    "response_ids",
+                    f"{lr} tokens exceed max_response_length={self.max_response_length}",
+                )
+        if not trajectories:
+            return
+        self.widen(max(prompt_lens), max(response_lens))
+        for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
+            self._place(t, lp, lr)
+
+    def _place(self, t: Trajectory, lp: int, lr: int) -> None:
+        i, P, pad = self.n, self.max_prompt_length, self.pad_token_id
+        ids, positions = self._ids[i], self._position_ids[i]
+        ids[P - self.prompt_width : P - lp] = pad
+        ids[P - lp : P] = _values(t.prompt_ids)
+        ids[P : P + lr] = _values(t.response_ids)
+        ids[P + lr : P + self.response_width] = pad
+        self._attention_mask[i, P - lp : P + lr] = 1
+        # verl's clip(cumsum(mask) - 1, min=0): 0 over the left padding, the last position after.
+        positions[P - lp : P + lr] = self._arange[: lp + lr]
+        positions[P + lr : P + self.response_width] = lp + lr - 1
+        self._last_position[i] = lp + lr - 1
+        if len(t.rollout_log_probs):
+            self._rollout[i, :lr] = _values(t.rollout_log_probs)
+            self._has_rollout[i] = True
+        if self._ref is not None:
+            self._ref[i, :lr] = _values(t.ref_log_probs)
+        self._token_scores[i, lr - 1] = t.score  # _problem refuses an empty response
+        versions = self._versions[i]
+        if len(t.token_policy_versions):
+            versions[:lr] = _values(t.token_policy_versions)
+            last = int(versions[lr - 1])
+        else:
+            last = t.policy_version
+            versions[:lr] = last
+        versions[lr : self.response_width] = last
+        self._last_version[i] = last
+        self._uids.append(t.uid)
+        self._group_uids.append(t.group_uid)
+        self._policy_versions.append(t.policy_version)
+        self._data_sources.append(t.data_source)
+        self._scores.append(t.score)
+        self._baselines.append(t.baseline_score if t.HasField("baseline_score") else None)
+        self._extras.append(t.reward_extra)
+        self.n += 1
+
+    def finish(self) -> PPOBatch:
+        """The rows placed, as a batch padded to the longest prompt and response among them (or
+        the widths :meth:`widen` set)."""
+        n = self.n
+        if n == 0:
+            raise ValueError("build_batch needs at least one trajectory")
+        has_baseline = [b is not None for b in self._baselines]
+        with_baselines = any(has_baseline) if self.with_baselines is None else self.with_baselines
+        if with_baselines and not all(has_baseline):
+            missing = self._uids[has_baseline.index(False)]
+            raise BatchError(missing, "baseline_score", "missing while the batch needs them")
+        P, p, r = self.max_prompt_length, self.prompt_width, self.response_width
+        window = slice(P - p, P + r)
+        input_ids = torch.from_numpy(self._ids[:n, window])
+        attention_mask = torch.from_numpy(self._attention_mask[:n, window])
+        return PPOBatch(
+            prompts=input_ids[:, :p],
+            responses=input_ids[:, p:],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=torch.from_numpy(self._position_ids[:n, window]),
+            response_mask=attention_mask[:, p:],
+            rollout_log_probs=torch.from_numpy(self._rollout[:n, :r]),
+            ref_log_probs=None if self._ref is None else torch.from_numpy(self._ref[:n, :r]),
+            token_level_scores=torch.from_numpy(self._token_scores[:n, :r]),
+            scores=torch.tensor(self._scores, dtype=torch.float32),
+            has_rollout_log_probs=torch.from_numpy(self._has_rollout[:n]),
+            index=np.array(self._group_uids, dtype=object),
+            uids=list(self._uids),
+            policy_versions=np.array(self._policy_versions, dtype=np.int64),
+            token_policy_versions=self._versions[:n, :r],
+            data_sources=list(self._data_sources),
+            reward_baselines=(torch.tensor(self._baselines, dtype=torch.float32) if with_baselines else None),
+            reward_extra=reward_extra_columns(self._extras),
+        )
+
+
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    pad_token_id: int,
+    *,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+    with_ref: bool | None = None,
+    with_baselines: bool | None = None,
+) -> PPOBatch:
+    """Pad ``trajectories`` into a :class:`PPOBatch` at once (:class:`BatchBuilder` a group at a time).
+
+    Args:
+        trajectories: at least one; all valid (see :func:`validate_trajectory`).
+        pad_token_id: written at padded positions of ``prompts``/``responses``/``input_ids``.
+        max_prompt_length: pad prompts to this width (verl pads to ``data.max_prompt_length``);
+            default the longest prompt.
+        max_response_length: pad responses to this width (verl: ``data.max_response_length``);
+            default the longest response.
+        with_ref: whether the batch carries reference log-probs (every trajectory must have
+            them; False: any are ignored); default whether the trajectories carry them.
+        with_baselines: whether the batch carries ``reward_baselines`` (every trajectory must
+            have a ``baseline_score``; False: any are ignored); default whether the
+            trajectories carry them.
+
+    Raises:
+        BatchError: an invalid trajectory (named by uid and field), ref log-probs or baselines
+            on some trajectories but not others, or a sequence longer than a given width.
+    """
+    if not trajectories:
+        raise ValueError("build_batch needs at least one trajectory")
+    for t in trajectories:
+        problem = _problem(t)
+        if problem is not None:
+            raise BatchError(t.uid, *problem)
+    width_p = max(len(t.prompt_ids) for t in trajectories) if max_prompt_length is None else max_prompt_length
+    width_r = (
+        max(len(t.response_ids) for t in trajectories) if max_response_length is None else max_response_length
+    )
+    builder = BatchBuilder(
+        pad_token_id,
+        rows=len(trajectories),
+        max_prompt_length=width_p,
+        max_response_length=width_r,
+        with_ref=any(len(t.ref_log_probs) > 0 for t in trajectories) if with_ref is None else with_ref,
+        with_baselines=with_baselines,
+    )
+    builder.widen(width_p, width_r)
+    builder.add(trajectories)
+    return builder.finish()

@@ -1,15 +1,18 @@
 """Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once, only the
 groups ``keep_group`` keeps, failed rewards scored by ``rule``; a trajectory ``validate`` refuses is
-dead-lettered and counts as a lost sample of its group. docs/reliability.md#collecting-a-step"""
+dead-lettered and counts as a lost sample of its group. A step takes the first groups to complete,
+and their rows are written into its batch as they do. docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from rlmesh.learner.ppo.batch import BatchBuilder, PPOBatch
 from rlmesh.learner.run.feeder import incarnation_of
 from rlmesh.queue.trajectories import CollectedBatch, TrajectoryCollector
 from rlmesh.reward.failures import FailureTally, RewardErrorRule, is_reward_failure
@@ -41,6 +44,15 @@ class StepBatch:
     groups: list[str] = field(default_factory=list)  # the group uids taken
     filtered: dict[str, int] = field(default_factory=dict)  # groups keep_group dropped -> their samples
     rewards: FailureTally = field(default_factory=FailureTally)  # samples that came in; rewards failed
+    batch: PPOBatch | None = None  # the trajectories' rows, when collect was given a builder
+
+
+@dataclass
+class GroupRows:
+    """A step's batch being written as its groups complete: the builder and the groups placed."""
+
+    builder: BatchBuilder
+    groups: list[str] = field(default_factory=list)
 
 
 class BatchCollector:
@@ -68,6 +80,9 @@ class BatchCollector:
         self.rule = rule
         self.rewards = FailureTally()
         self.groups: OrderedDict[str, Group] = OrderedDict()
+        # Complete groups (kept by keep_group) in the order they completed: a step takes the first.
+        self._ready: dict[str, None] = {}
+        self._rows: GroupRows | None = None  # this step's batch so far (collect's new_batch)
         self._discarded_ids: list[bytes] = []
         self._discarded_uids: list[str] = []
         self.counts = dict.fromkeys(
@@ -102,7 +117,7 @@ class BatchCollector:
             self.counts["rolled_back_policy" if refused else "stale"] += 1
             self._discard(traj, entry_id)
             stale_groups.setdefault(traj.group_uid, traj)
-            earlier = self.groups.pop(traj.group_uid, None)
+            earlier = self._pop_group(traj.group_uid)
             if earlier is not None:  # samples of the group that arrived before count as discarded too
                 self._discarded_ids += earlier.entry_ids
                 self._discarded_uids += [t.uid for t in earlier.trajectories]
@@ -143,12 +158,43 @@ class BatchCollector:
                 continue
             group.checked = True
             if not self.keep_group(group.trajectories):
-                del self.groups[gid]
+                self._pop_group(gid)
                 self._discarded_ids += group.entry_ids
                 self._discarded_uids += [t.uid for t in group.trajectories]
                 self._filtered[gid] = len(group.trajectories)
                 dropped.append(gid)
         return dropped
+
+    def _pop_group(self, gid: str) -> Group | None:
+        """Forgets group ``gid``; a batch it was written into is begun again without it."""
+        self._ready.pop(gid, None)
+        if self._rows is not None and gid in self._rows.groups:
+            self._rows = None
+        return self.groups.pop(gid, None)
+
+    def _mark_ready(self) -> None:
+        for gid, group in self.groups.items():
+            if (
+                gid not in self._ready
+                and group.complete(self.n)
+                and (self.keep_group is None or group.checked)
+            ):
+                self._ready[gid] = None
+
+    async def _place(self, batch_groups: int, new_batch: Callable[[], BatchBuilder] | None) -> None:
+        """Writes the rows of the ready groups this step takes into its batch (off the event loop:
+        numpy's copies let it run)."""
+        if new_batch is None:
+            return
+        if self._rows is None:
+            self._rows = GroupRows(new_batch())
+        rows = self._rows
+        more = [gid for gid in list(self._ready)[:batch_groups] if gid not in rows.groups]
+        if more:
+            await asyncio.to_thread(
+                rows.builder.add, [t for gid in more for t in self.groups[gid].trajectories]
+            )
+            rows.groups += more
 
     async def collect(
         self,
@@ -159,17 +205,22 @@ class BatchCollector:
         on_progress: Callable[[int, int], None] | None = None,
         refill: Callable[[list[str]], Awaitable[None]] | None = None,
         step: int = 0,
+        new_batch: Callable[[], BatchBuilder] | None = None,
     ) -> StepBatch:
         """Waits until ``batch_groups`` complete groups are in (or ``timeout_s``: TimeoutError).
         ``refill`` gets the uids of the groups ``keep_group`` dropped, to draw prompts in their place.
         Raises ``RewardFailed`` (naming ``step``) once a batch's worth of samples came in and too
         many of their rewards failed, by ``rule``: before dynamic sampling draws prompt after prompt
-        in place of groups that failed alike."""
+        in place of groups that failed alike. With ``new_batch`` (an empty builder of the step's
+        batch), the groups taken are written into it as they complete, kept across calls that time
+        out, and the ``StepBatch`` carries the finished batch."""
         where = f"step {step}" if step else "this step"
         start = time.monotonic()
-        while sum(g.complete(self.n) for g in self.groups.values()) < batch_groups:
+        self._mark_ready()
+        await self._place(batch_groups, new_batch)
+        while len(self._ready) < batch_groups:
             if time.monotonic() - start > timeout_s:
-                have = sum(g.complete(self.n) for g in self.groups.values())
+                have = len(self._ready)
                 raise TimeoutError(
                     f"only {have} of {batch_groups} prompt groups arrived within {timeout_s:.0f} s; "
                     "are rollout replicas running? (rlmesh ps / the replica registry)"
@@ -195,15 +246,24 @@ class BatchCollector:
             dropped = self._filter_groups()
             if dropped and refill is not None:
                 await refill(dropped)
+            self._mark_ready()
+            await self._place(batch_groups, new_batch)
             if on_progress:
-                on_progress(sum(g.complete(self.n) for g in self.groups.values()), batch_groups)
+                on_progress(len(self._ready), batch_groups)
         if self.rule is not None:  # a group's earlier samples may have come in during the last step
             self.rule.check(self.rewards, where)
-        taken = [gid for gid, g in self.groups.items() if g.complete(self.n)][:batch_groups]
+        taken = list(self._ready)[:batch_groups]
+        batch = None
+        if new_batch is not None:
+            await self._place(batch_groups, new_batch)
+            assert self._rows is not None and self._rows.groups == taken
+            batch = await asyncio.to_thread(self._rows.builder.finish)
+            self._rows = None
         trajs, ids = [], list(self._discarded_ids)
         uids = list(self._discarded_uids)
         for gid in taken:
-            group = self.groups.pop(gid)
+            group = self._pop_group(gid)
+            assert group is not None
             trajs += group.trajectories
             ids += group.entry_ids
             uids += [t.uid for t in group.trajectories]
@@ -221,6 +281,7 @@ class BatchCollector:
             groups=taken,
             filtered=filtered,
             rewards=rewards,
+            batch=batch,
         )
 
     def complete_groups(self) -> set[str]:
@@ -229,7 +290,7 @@ class BatchCollector:
     def drop_group(self, group_uid: str) -> None:
         """Discards what arrived of an incomplete group (its other samples were lost); its entries
         are acked with the next commit."""
-        group = self.groups.pop(group_uid, None)
+        group = self._pop_group(group_uid)
         if group is not None:
             self._discarded_ids += group.entry_ids
             self._discarded_uids += [t.uid for t in group.trajectories]

@@ -24,7 +24,7 @@ from rlmesh.config import RLMeshConfig
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.data.cursor import total_training_steps
 from rlmesh.learner.checkpoints.store import latest_checkpoint, prune_checkpoints, replace_dir
-from rlmesh.learner.ppo.batch import build_batch
+from rlmesh.learner.ppo.batch import BatchBuilder
 from rlmesh.learner.ppo.model_loading import first_policy_version
 from rlmesh.learner.run.collect import StepBatch
 from rlmesh.learner.run.commands import Followers, RankCommand
@@ -292,9 +292,8 @@ class TrainingLoop:
 
         st.phase = "TRAINING"
         hparams = self._take_hparams(step, w.feeder)
-        batch = await self.trainer_thread.call(
-            build_batch, collected.trajectories, self.tokenizer.pad_token_id, with_ref=self._ref_from_replicas
-        )
+        batch = collected.batch
+        assert batch is not None  # _collect passes new_batch
         trained = await self.rank_zero.run(
             RankCommand("train", batch=batch, kl_ctrl=self.kl_ctrl, hparams=hparams)
         )
@@ -373,6 +372,17 @@ class TrainingLoop:
             # DAPO: a new prompt of the data in place of each group whose samples all scored alike.
             await draw_in_place(w.feeder, self.gen_batches, dropped, step, self.state.version)
 
+        rollout = cfg.actor_rollout_ref.rollout
+
+        def new_batch() -> BatchBuilder:
+            return BatchBuilder(
+                self.tokenizer.pad_token_id,
+                rows=cfg.data.train_batch_size * rollout.n,
+                max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=rollout.response_length,
+                with_ref=self._ref_from_replicas,
+            )
+
         unreachable_since: float | None = None
         while True:
             try:
@@ -385,6 +395,7 @@ class TrainingLoop:
                         on_progress=progress,
                         refill=refill,
                         step=step,
+                        new_batch=new_batch,
                     )
                 except TimeoutError:  # the builtin one: nothing complete yet
                     pass
