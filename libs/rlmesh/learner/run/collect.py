@@ -1,7 +1,6 @@
-"""Collecting one step's batch: whole prompt groups, fresh enough, each trajectory once, only the
-groups ``keep_group`` keeps, failed rewards scored by ``rule``; a trajectory ``validate`` refuses is
-dead-lettered and counts as a lost sample of its group. A step takes the first groups to complete,
-and their rows are written into its batch as they do. docs/reliability.md#collecting-a-step"""
+"""Collecting one step's batch: the first whole prompt groups to complete, fresh enough, each
+trajectory once, their rows written as they complete; a trajectory ``validate`` refuses is
+dead-lettered and counts as a lost sample of its group. docs/reliability.md#collecting-a-step"""
 
 from __future__ import annotations
 
