@@ -249,14 +249,16 @@ def run_point(url: str, trajectories: int, response: int, args: argparse.Namespa
         "prompt_tokens": args.prompt_tokens,
         "stream_bytes": stream_bytes,  # the trajectories' serialized sizes
         "redis_in_bytes": published["net_in"] - before["net_in"],  # commands and all, as Redis read them
-        "redis_out_bytes": after["net_out"] - published["net_out"],
+        # With --arrive-s the learner read while the producers published: count from before.
+        "redis_out_bytes": after["net_out"] - (before if args.arrive_s else published)["net_out"],
         "publish_s": publish_s,
         "publish_mb_s": stream_bytes / publish_s / 1e6,
         **learner,
         "collect_mb_s": stream_bytes / learner["collect_s"] / 1e6,
         "redis_commands": after["commands"] - before["commands"],
         "redis_cpu_s": after["cpu_s"] - before["cpu_s"],
-        "redis_step_memory": published["memory"] - before["memory"],
+        # None with --arrive-s: the learner took the step as it came, so it was never held whole.
+        "redis_step_memory": None if args.arrive_s else published["memory"] - before["memory"],
         "redis_memory_after": after["memory"],
         # Redis's own settings rewrite the AOF as it grows (100%, 64 MB): its child's CPU is counted above.
         "aof_rewrites": after["aof_rewrites"] - before["aof_rewrites"],
@@ -327,12 +329,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        held = "-" if r["redis_step_memory"] is None else f"{r['redis_step_memory'] / 1e6:,.0f}"
         lines.append(
             f"| {r['trajectories']:,} x {r['response_tokens']:,} | {r['stream_bytes'] / 1e6:,.0f} | "
             f"{r['publish_s']:.2f} ({r['publish_mb_s']:.0f}) | {r['collect_s']:.2f} ({r['collect_mb_s']:.0f}) | "
             f"{r['place_s']:.2f} | {r['finish_s']:.3f} | {r['after_last_s']:.2f} | {r['commit_s']:.2f} | "
             f"{r['learner_cpu_s']:.1f} | {r['redis_commands']:,.0f} | "
-            f"{r['redis_cpu_s']:.1f} | {r['redis_step_memory'] / 1e6:,.0f} |"
+            f"{r['redis_cpu_s']:.1f} | {held} |"
         )
     return "\n".join(lines)
 

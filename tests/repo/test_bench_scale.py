@@ -61,3 +61,5 @@ def test_with_arrive_s_the_learner_collects_while_the_groups_arrive(tmp_path):
     # Every trajectory was collected (the benchmark stops otherwise), its rows written as it came.
     assert point["place_s"] > 0 and point["finish_s"] > 0 and point["batch_tensor_bytes"] > 0
     assert point["trajectories"] == 64 and "after_last_s" in point
+    # The learner read them while they were published: Redis sent at least their bytes out.
+    assert point["redis_out_bytes"] >= point["stream_bytes"] and point["redis_step_memory"] is None
