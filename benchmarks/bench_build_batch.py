@@ -7,8 +7,10 @@ Trajectories of a 512-token prompt and a response of half to all of ``--response
 (ids up to Qwen2's vocabulary, rollout and reference log-probs), built once; then ``build_batch``
 at the fixed widths, ``--rounds`` times. With ``--compare REV`` the ``build_batch`` of that commit
 (``git show REV:libs/rlmesh/learner/ppo/batch.py``) runs too, alternating with this tree's in the
-same process, so both meet the same memory. Each line: seconds and minor page faults (memory the
-kernel handed the build anew). docs/scale.md quotes it (16,384 x 4,096, ``--compare d8708f6``).
+same process, so both meet the same memory. ``kept buffers`` is the learner's way: a
+``BatchBuilder`` fed a group of 16 at a time into arrays a ``BatchBuffers`` keeps from one build
+to the next. Each line: seconds and minor page faults (memory the kernel handed the build anew).
+docs/scale.md quotes it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "libs"))
@@ -79,11 +81,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlmesh.learner.ppo import batch as this_tree
 
     torch.set_num_threads(1)
-    builds: dict[str, ModuleType] = {}
+    builds: dict[str, ModuleType | SimpleNamespace] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.compare:
             builds[args.compare] = module_at(args.compare, Path(tmp))
         builds["this tree"] = this_tree
+        buffers = this_tree.BatchBuffers()
+
+        def kept_buffers(step: list, pad: int, max_prompt_length: int, max_response_length: int) -> object:
+            builder = this_tree.BatchBuilder(
+                pad,
+                rows=len(step),
+                max_prompt_length=max_prompt_length,
+                max_response_length=max_response_length,
+                with_ref=True,
+                buffers=buffers,
+            )
+            for i in range(0, len(step), 16):
+                builder.add(step[i : i + 16])
+            return builder.finish()
+
+        builds["kept buffers"] = SimpleNamespace(build_batch=kept_buffers)
         t0 = time.perf_counter()
         step = synthetic_step(args.trajectories, args.response_tokens)
         print(

@@ -327,7 +327,8 @@ def _assert_same_batch(a, b):
         "has_rollout_log_probs",
         "reward_baselines",
     ):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), name
     for name in ("index", "policy_versions", "token_policy_versions"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert a.uids == b.uids and a.data_sources == b.data_sources
@@ -388,3 +389,32 @@ def test_a_builder_refuses_what_does_not_fit_and_keeps_what_it_has():
     assert batch.uids == ["a"] and batch.response_length == 2 and batch.prompt_length == 3
     with pytest.raises(ValueError, match="at least one trajectory"):
         BatchBuilder(PAD, rows=1, max_prompt_length=1, max_response_length=1, with_ref=False).finish()
+
+
+def test_kept_buffers_are_written_again_only_once_nothing_holds_their_batch():
+    """A batch built into the arrays of a longer one before it is the batch padded at once: the
+    region the last batch used is cleared; arrays a live batch still views are never taken."""
+    from rlmesh.learner.ppo.batch import BatchBuffers, BatchBuilder
+
+    buffers = BatchBuffers()
+
+    def built(trajectories):
+        builder = BatchBuilder(
+            PAD, rows=4, max_prompt_length=8, max_response_length=8, with_ref=True, buffers=buffers
+        )
+        builder.add(trajectories)
+        return builder.finish()
+
+    def long(uid):
+        return traj(uid, prompt=(1,) * 6, response=(2,) * 6, score=5.0, rollout=(-0.1,) * 6, ref=(-0.2,) * 6)
+
+    first = built([long("a"), long("b")])
+    held = built([long("c"), long("d")])  # the first batch is alive: new arrays
+    assert buffers.reused == 0 and first.input_ids.data_ptr() != held.input_ids.data_ptr()
+    del first, held
+    # One row as long as the last batch's, one shorter without rollout log-probs: its padding is
+    # where the last batch wrote.
+    now = [long("e"), traj("f", prompt=(3,), response=(4,), score=1.0, ref=(-0.5,), version=4)]
+    again = built(now)
+    assert buffers.reused == 1
+    _assert_same_batch(again, build_batch(now, PAD))

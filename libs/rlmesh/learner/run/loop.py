@@ -24,7 +24,7 @@ from rlmesh.config import RLMeshConfig
 from rlmesh.data import PromptCursor, RLHFDataset
 from rlmesh.data.cursor import total_training_steps
 from rlmesh.learner.checkpoints.store import latest_checkpoint, prune_checkpoints, replace_dir
-from rlmesh.learner.ppo.batch import BatchBuilder
+from rlmesh.learner.ppo.batch import BatchBuffers, BatchBuilder
 from rlmesh.learner.ppo.model_loading import first_policy_version
 from rlmesh.learner.run.collect import StepBatch
 from rlmesh.learner.run.commands import Followers, RankCommand
@@ -126,6 +126,7 @@ class TrainingLoop:
         # replicas). A colocated reference recomputes them in the trainer: whatever a trajectory
         # carries (a replica of an older config) is ignored.
         self._ref_from_replicas = cfg.uses_reference() and not cfg.rlmesh.reference.colocated
+        self._batch_buffers = BatchBuffers()  # a step's batch is written into the last one's arrays
         self.job_gpus = job_gpus(cfg, torch.cuda.is_available())
         # DAPO's dynamic sampling: the prompts each step draws (algorithm.filter_groups).
         self.filter_groups = cfg.algorithm.filter_groups
@@ -381,6 +382,7 @@ class TrainingLoop:
                 max_prompt_length=cfg.data.max_prompt_length,
                 max_response_length=rollout.response_length,
                 with_ref=self._ref_from_replicas,
+                buffers=self._batch_buffers,
             )
 
         unreachable_since: float | None = None
