@@ -70,7 +70,12 @@ def test_rank_zeros_failure_reaches_the_follower(tmp_path):
 def test_a_follower_sees_rank_zero_killed_at_once(tmp_path):
     rank0, rank1 = procs = start("killed", tmp_path)
     try:
-        wait_until(lambda: (tmp_path / "rank0.ready").exists(), EXIT_TIMEOUT_S, "rank 0's Followers")
+        # Both: rank 0 can be past building the group while rank 1 still reads it from the store.
+        wait_until(
+            lambda: all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)),
+            EXIT_TIMEOUT_S,
+            "both Followers",
+        )
         rank0.send_signal(signal.SIGKILL)
         # Bounded: without the death noticed, rank 1 would wait out COMMAND_TIMEOUT.
         assert rank1.wait(timeout=LOST_WITHIN_S) == RANK1_EXIT_LOST
@@ -85,7 +90,12 @@ def test_a_follower_gives_up_on_a_rank_zero_that_hangs(tmp_path):
     # only the silence (no keep-alive for COMMAND_TIMEOUT_S) tells the follower.
     rank0, rank1 = procs = start("killed", tmp_path)
     try:
-        wait_until(lambda: (tmp_path / "rank0.ready").exists(), EXIT_TIMEOUT_S, "rank 0's Followers")
+        # Both: rank 0 can be past building the group while rank 1 still reads it from the store.
+        wait_until(
+            lambda: all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)),
+            EXIT_TIMEOUT_S,
+            "both Followers",
+        )
         rank0.send_signal(signal.SIGSTOP)
         assert rank1.wait(timeout=EXIT_TIMEOUT_S) == RANK1_EXIT_LOST
     finally:

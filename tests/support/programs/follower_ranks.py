@@ -64,9 +64,9 @@ def run_rank(scenario: str, rank: int, port: int, out_dir: Path) -> int:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S)
     )
-    followers = Followers(
-        timedelta(seconds=COMMAND_TIMEOUT_S), KEEPALIVE_S
-    )  # collective: both ranks are past it once either is
+    # Collective, but one rank can be done with it while the other still reads the group's
+    # address from the store: the test waits for both files.
+    followers = Followers(timedelta(seconds=COMMAND_TIMEOUT_S), KEEPALIVE_S)
     (out_dir / f"rank{rank}.ready").touch()
     if rank == 0:
         asyncio.run(rank_zero(scenario, followers))
