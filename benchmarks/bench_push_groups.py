@@ -317,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-mb", type=int, default=16, help="the weights' tensors are at most this big")
     p.add_argument(
         "--load-format",
-        choices=["flattened_bucket", "per_tensor"],
+        choices=["flattened_bucket", "per_tensor", "auto"],
         default="flattened_bucket",
-        help="per_tensor: one broadcast per tensor, all queued at once (rlmesh.weight_sync.load_format)",
+        help="per_tensor: one broadcast per tensor, all queued at once; auto: per_tensor to a shared group, "
+        "else flattened_bucket (rlmesh.weight_sync.load_format)",
     )
     p.add_argument("--pushes", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("runs/bench-push-groups"))

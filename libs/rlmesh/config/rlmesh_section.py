@@ -394,17 +394,19 @@ class WeightSyncConfig(Section):
         0, ge=0, le=65535, description="rendezvous port of the group; 0 = pick a free one"
     )
     bucket_size_mb: int = Field(256, gt=0, description="weights are broadcast in buckets of this many MiB")
-    load_format: Literal["flattened_bucket", "per_tensor"] = Field(
-        "flattened_bucket",
+    load_format: Literal["auto", "flattened_bucket", "per_tensor"] = Field(
+        "auto",
         description="flattened_bucket: one broadcast per bucket (SGLang's load_format); per_tensor: "
-        "one per tensor, for SGLang servers older than flattened_bucket support",
+        "one per tensor (also for SGLang servers older than flattened_bucket support); auto: per_tensor "
+        "to a gloo weight group of several engines (gloo's tree overlaps successive broadcasts, not "
+        "the levels of one), flattened_bucket otherwise",
     )
     group_size: int = Field(
         1,
         ge=1,
         description="engines sharing one weight group (one broadcast reaches them all: the learner sends "
-        "about one copy per group, gloo relays it along a tree, NCCL along a ring; on gloo use "
-        "load_format=per_tensor, so that the tree pipelines); 1 = a group per engine, so a replica "
+        "about one copy per group, gloo relays it along a tree, NCCL along a ring; see load_format); "
+        "1 = a group per engine, so a replica "
         "that dies mid-push costs only its own push; larger costs every member of its group that push "
         "(docs/sglang.md#weight-groups)",
     )

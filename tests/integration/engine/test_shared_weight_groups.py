@@ -60,14 +60,17 @@ def test_engines_sharing_groups_all_take_a_push_and_a_group_is_at_most_group_siz
     engines = {f"e{i}": e for i, e in enumerate(three)}
 
     async def scenario():
-        async with pushing(engines, timeout_s=120, bucket_bytes=16 << 10, group_size=2) as (_, pusher):
+        settings = {"timeout_s": 120, "bucket_bytes": 16 << 10, "group_size": 2, "load_format": "auto"}
+        async with pushing(engines, **settings) as (_, pusher):
             report = await pusher.push(target.state_dict().items(), version=1)
-            return report, _groups(pusher)
+            return report, _groups(pusher), {link.name: link.load_format for link in pusher.links}
 
-    report, groups = asyncio.run(scenario())
+    report, groups, formats = asyncio.run(scenario())
     assert sorted(report.engines) == ["e0", "e1", "e2"] and not report.failed
     # Three engines in groups of at most two: two groups, ranks from 1 up within each.
     assert groups == [[("e0", 1), ("e1", 2)], [("e2", 1)]]
+    # load_format=auto: tensor by tensor to the gloo group of two, one flattened bucket to the lone one.
+    assert formats == {"e0": None, "e1": None, "e2": "flattened_bucket"}
     expected = greedy_reference(target, PROMPTS)
     for e in engines.values():
         assert engine_greedy(e.url) == expected

@@ -224,7 +224,7 @@ def test_rlmesh_section_defaults(defaults: RLMeshConfig) -> None:
     ws = r.weight_sync
     assert (ws.transport, ws.backend, ws.master_address, ws.master_port) == ("distributed", "auto", None, 0)
     assert (ws.bucket_size_mb, ws.timeout_s, ws.verify_tensors, ws.disk_dir) == (256, 300.0, 4, None)
-    assert ws.load_format == "flattened_bucket"
+    assert ws.load_format == "auto"
     assert (r.runtime.shutdown_grace_s, r.runtime.health_timeout_s) == (30.0, 120.0)
     q = r.queue
     assert (q.prompt_stream_maxlen, q.trajectory_stream_maxlen) == (100_000, 100_000)

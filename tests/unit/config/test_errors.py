@@ -157,7 +157,7 @@ def test_all_problems_are_reported_at_once() -> None:
         ("algorithm.use_pf_ppo=true", "bad value for 'algorithm.use_pf_ppo': true; allowed: false"),
         (
             "rlmesh.weight_sync.load_format=flat",
-            "bad value for 'rlmesh.weight_sync.load_format': 'flat'; allowed: 'flattened_bucket', 'per_tensor'",
+            "bad value for 'rlmesh.weight_sync.load_format': 'flat'; allowed: 'auto', 'flattened_bucket', 'per_tensor'",
         ),
     ],
 )

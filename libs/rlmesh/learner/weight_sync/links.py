@@ -22,6 +22,10 @@ from rlmesh.weights.group import destroy_process_group, init_custom_process_grou
 
 log = logging.getLogger("rlmesh.weights")
 
+# The pusher's load_format that settles each group's: per tensor for a gloo group of several
+# engines, flattened buckets otherwise.
+AUTO_FORMAT = "auto"
+
 
 @dataclass(eq=False)
 class WeightGroup:
@@ -161,6 +165,11 @@ async def build_group(
     one fails the group at once instead of leaving the others in the rendezvous until its deadline.
     Where one fails, every member is marked unhealthy and listed in ``failed``."""
     group = WeightGroup(group_name, members[0].backend, list(members))
+    if load_format == AUTO_FORMAT:
+        # gloo broadcasts along a binomial tree whose ranks forward a broadcast only once they hold
+        # all of it: one flattened bucket crosses the levels one after another, successive
+        # tensors overlap (docs/scale.md#shared-weight-groups).
+        load_format = None if group.backend == "gloo" and len(members) > 1 else FLATTENED_BUCKET
     listen = store_socket(master_address, master_port)
     port = listen.getsockname()[1]
     own = run_in_daemon_thread(

@@ -17,6 +17,7 @@ from rlmesh.engine.client import EngineClient
 from rlmesh.learner.weight_sync.broadcast import push_bucket
 from rlmesh.learner.weight_sync.cycle import each, update_cycle
 from rlmesh.learner.weight_sync.links import (
+    AUTO_FORMAT,
     EngineLink,
     WeightGroup,
     build_group,
@@ -148,9 +149,11 @@ class WeightPusher:
         ``VERIFY_ROWS`` rows); an engine that differs counts as failed. 0: no check.
         ``group_size``: engines sharing one weight group, so one broadcast reaches them all (gloo
         relays it along a tree, NCCL along a ring: the trainer sends about one copy per group, not
-        one per engine); one failing mid-push costs every member of its group that push."""
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"unknown load_format {load_format!r}; known: {LOAD_FORMATS}")
+        one per engine); one failing mid-push costs every member of its group that push.
+        ``load_format``: ``flattened_bucket``, None (per tensor) or ``auto`` (per tensor to a gloo
+        group of several engines, whose tree pipelines only successive broadcasts; else flattened)."""
+        if load_format not in (*LOAD_FORMATS, AUTO_FORMAT):
+            raise ValueError(f"unknown load_format {load_format!r}; known: {(*LOAD_FORMATS, AUTO_FORMAT)}")
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.group_size = group_size
