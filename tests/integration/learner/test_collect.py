@@ -161,6 +161,25 @@ async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
     await redis.aclose()
 
 
+async def test_a_sample_that_joins_a_group_after_its_rows_were_written_is_in_the_batch(redis_url):
+    """The batch always holds exactly the trajectories the step commits."""
+    redis, _, producer, _, collector = await setup(redis_url)
+
+    def new_batch():
+        return BatchBuilder(0, rows=6, max_prompt_length=8, max_response_length=8, with_ref=False)
+
+    a, b = group_uid(3, 1, 0), group_uid(3, 1, 1)
+    await producer.put(_sized_group(a, 2, 1, 2))
+    with pytest.raises(TimeoutError):
+        await collector.collect(2, 1, 0.3, no_requeue, new_batch=new_batch)
+    late = _sized_group(a, 3, 2, 3)[2]  # a third sample of a, under a uid of its own
+    await producer.put([late, *_sized_group(b, 2, 1, 1)])
+    step = await collector.collect(2, 1, 30, no_requeue, new_batch=new_batch)
+    assert step.batch.uids == [t.uid for t in step.trajectories] and f"{a}/2" in step.batch.uids
+    assert torch.equal(step.batch.input_ids, build_batch(step.trajectories, 0, with_ref=False).input_ids)
+    await redis.aclose()
+
+
 async def test_samples_of_weights_the_learner_never_had_are_refused_and_their_groups_requeued(redis_url):
     # A learner resumed from the checkpoint of v4 after its predecessor had pushed v5..v7 pushes as
     # v8: samples of v5..v7 (an engine that missed the push) and of versions past its own are not

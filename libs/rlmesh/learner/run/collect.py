@@ -255,8 +255,17 @@ class BatchCollector:
         batch = None
         if new_batch is not None:
             await self._place(batch_groups, new_batch)
-            assert self._rows is not None and self._rows.groups == taken
-            batch = await asyncio.to_thread(self._rows.builder.finish)
+            rows = self._rows
+            taken_rows = sum(len(self.groups[gid].trajectories) for gid in taken)
+            if rows is None or rows.groups != taken or rows.builder.n != taken_rows:
+                # A group changed after its rows were written (never seen; the rows would not be
+                # the trajectories committed): written again from what is taken.
+                log.warning("step %s: the batch's rows are written again at the end", step)
+                rows = self._rows = None
+                await self._place(batch_groups, new_batch)
+                rows = self._rows
+            assert rows is not None
+            batch = await asyncio.to_thread(rows.builder.finish)
             self._rows = None
         trajs, ids = [], list(self._discarded_ids)
         uids = list(self._discarded_uids)
