@@ -258,8 +258,8 @@ class BatchCollector:
             rows = self._rows
             taken_rows = sum(len(self.groups[gid].trajectories) for gid in taken)
             if rows is None or rows.groups != taken or rows.builder.n != taken_rows:
-                # A group changed after its rows were written (never seen; the rows would not be
-                # the trajectories committed): written again from what is taken.
+                # A sample joined a complete group after its rows were written (a copy of one under
+                # another uid): the rows must be the trajectories committed, so they are written again.
                 log.warning("step %s: the batch's rows are written again at the end", step)
                 rows = self._rows = None
                 await self._place(batch_groups, new_batch)
