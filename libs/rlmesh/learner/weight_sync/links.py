@@ -244,11 +244,12 @@ async def build_group(
     for link in members:
         link.group = group
     log.info(
-        "weight group %s: %s (%d ranks, %s)",
+        "weight group %s: %s (%d ranks, %s, sent %s)",
         group_name,
         ", ".join(m.name for m in members),
         group.world_size,
         group.backend,
+        "in flattened buckets" if members[0].load_format == FLATTENED_BUCKET else "tensor by tensor",
     )
     return group
 
