@@ -162,11 +162,12 @@ async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
 
 
 async def test_a_sample_that_joins_a_group_after_its_rows_were_written_is_in_the_batch(redis_url):
-    """The batch always holds exactly the trajectories the step commits."""
+    """The batch always holds exactly the trajectories the step commits, more than the step's
+    groups of n if a group has more."""
     redis, _, producer, _, collector = await setup(redis_url)
 
-    def new_batch():
-        return BatchBuilder(0, rows=6, max_prompt_length=8, max_response_length=8, with_ref=False)
+    def new_batch():  # rows for 2 groups of n=2, as the learner asks
+        return BatchBuilder(0, rows=4, max_prompt_length=8, max_response_length=8, with_ref=False)
 
     a, b = group_uid(3, 1, 0), group_uid(3, 1, 1)
     await producer.put(_sized_group(a, 2, 1, 2))

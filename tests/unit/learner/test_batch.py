@@ -383,8 +383,6 @@ def test_a_builder_refuses_what_does_not_fit_and_keeps_what_it_has():
         builder.add([traj("c", ref=(-1.0, -1.0)), traj("b", response=(1, 2, 3, 4), ref=(-1.0,) * 4)])
     with pytest.raises(BatchError, match=r"'d'.*ref_log_probs.*missing"):
         builder.add([traj("d")])
-    with pytest.raises(ValueError, match="holds 3 rows: 1 placed, 3 more given"):
-        builder.add([traj(u, ref=(-1.0, -1.0)) for u in "efg"])
     batch = builder.finish()
     assert batch.uids == ["a"] and batch.response_length == 2 and batch.prompt_length == 3
     with pytest.raises(ValueError, match="at least one trajectory"):
@@ -418,3 +416,17 @@ def test_kept_buffers_are_written_again_only_once_nothing_holds_their_batch():
     again = built(now)
     assert buffers.reused == 1
     _assert_same_batch(again, build_batch(now, PAD))
+
+
+def test_more_rows_than_asked_for_grow_the_batch():
+    """A group larger than the run's n (a replica told another n) is trained on whole."""
+    from rlmesh.learner.ppo.batch import BatchBuffers, BatchBuilder
+
+    rng = np.random.default_rng(5)
+    groups = [_random_group(rng, g, n=3) for g in range(3)]
+    builder = BatchBuilder(
+        PAD, rows=4, max_prompt_length=10, max_response_length=14, with_ref=True, buffers=BatchBuffers()
+    )
+    for g in groups:
+        builder.add(g)
+    _assert_same_batch(builder.finish(), build_batch([t for g in groups for t in g], PAD))

@@ -437,7 +437,7 @@ class BatchBuilder:
         with_baselines: bool | None = None,
         buffers: BatchBuffers | None = None,
     ) -> None:
-        """``rows`` is the most trajectories :meth:`add` takes; ``with_ref``: every trajectory
+        """``rows``: the trajectories expected (more grow the arrays); ``with_ref``: every trajectory
         must carry reference log-probs (False: any are ignored); ``with_baselines``: every one must
         carry a ``baseline_score`` (False: any are ignored; None: all must when any does);
         ``buffers``: where the arrays are taken from, and given back to by :meth:`finish`."""
@@ -452,7 +452,17 @@ class BatchBuilder:
         self.prompt_width = 0  # the window every placed row is padded to
         self.response_width = 0
         self._buffers = buffers
-        arrays = (buffers or BatchBuffers()).take(rows, max_prompt_length, max_response_length, with_ref)
+        self._use((buffers or BatchBuffers()).take(rows, max_prompt_length, max_response_length, with_ref))
+        self._arange = np.arange(width, dtype=np.int64)
+        self._uids: list[str] = []
+        self._group_uids: list[str] = []
+        self._policy_versions: list[int] = []
+        self._data_sources: list[str] = []
+        self._scores: list[float] = []
+        self._baselines: list[float | None] = []
+        self._extras: list[Mapping[str, float]] = []
+
+    def _use(self, arrays: dict[str, np.ndarray]) -> None:
         self._arrays = arrays
         self._ids = arrays["ids"]
         self._attention_mask = arrays["attention_mask"]
@@ -462,16 +472,18 @@ class BatchBuilder:
         self._token_scores = arrays["token_scores"]
         self._versions = arrays["versions"]
         self._has_rollout = arrays["has_rollout"]
-        self._last_position = np.zeros(rows, dtype=np.int64)
-        self._last_version = np.zeros(rows, dtype=np.int64)
-        self._arange = np.arange(width, dtype=np.int64)
-        self._uids: list[str] = []
-        self._group_uids: list[str] = []
-        self._policy_versions: list[int] = []
-        self._data_sources: list[str] = []
-        self._scores: list[float] = []
-        self._baselines: list[float | None] = []
-        self._extras: list[Mapping[str, float]] = []
+        self._last_position = arrays.setdefault("last_position", np.zeros(self.rows, dtype=np.int64))
+        self._last_version = arrays.setdefault("last_version", np.zeros(self.rows, dtype=np.int64))
+
+    def _grow(self, rows: int) -> None:
+        """Room for ``rows``: a group with more samples than asked for (a replica told another
+        ``n``) is trained on whole, as it was before rows were written as groups came."""
+        bigger = BatchBuffers().take(rows, self.max_prompt_length, self.max_response_length, self.with_ref)
+        for name, array in self._arrays.items():
+            bigger.setdefault(name, np.zeros((rows, *array.shape[1:]), dtype=array.dtype))
+            bigger[name][: self.n] = array[: self.n]
+        self.rows = rows
+        self._use(bigger)
 
     def widen(self, prompt_width: int, response_width: int) -> None:
         """Pads every row, those placed and those to come, to at least these widths."""
@@ -493,10 +505,6 @@ class BatchBuilder:
             BatchError: an invalid trajectory, one without reference log-probs or a baseline the
                 batch needs, or one longer than the configured widths; nothing of the call placed.
         """
-        if self.n + len(trajectories) > self.rows:
-            raise ValueError(
-                f"the batch holds {self.rows} rows: {self.n} placed, {len(trajectories)} more given"
-            )
         prompt_lens = [len(t.prompt_ids) for t in trajectories]
         response_lens = [len(t.response_ids) for t in trajectories]
         for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
@@ -519,6 +527,8 @@ class BatchBuilder:
                 )
         if not trajectories:
             return
+        if self.n + len(trajectories) > self.rows:
+            self._grow(max(2 * self.rows, self.n + len(trajectories)))
         self.widen(max(prompt_lens), max(response_lens))
         for t, lp, lr in zip(trajectories, prompt_lens, response_lens, strict=True):
             self._place(t, lp, lr)
