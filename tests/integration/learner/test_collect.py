@@ -31,16 +31,16 @@ def validate(t):
     return None
 
 
-def group(gid, n, version=1, score=1.0, tokens=()):
+def group(gid, n, version=1, score=1.0, tokens=(), prompt=1, response=2):
     return [
         trajectory_pb2.Trajectory(
             uid=f"{gid}/{i}",
             group_uid=gid,
-            response_ids=[1, 2],
+            response_ids=list(range(1, response + 1)),
             policy_version=version,
             token_policy_versions=tokens,
             score=score,
-            prompt_ids=[7],
+            prompt_ids=[7] * prompt,
         )
         for i in range(n)
     ]
@@ -110,20 +110,6 @@ async def test_a_long_group_of_this_step_serves_the_next_and_a_later_steps_compl
     await redis.aclose()
 
 
-def _sized_group(gid, n, prompt, response):
-    return [
-        trajectory_pb2.Trajectory(
-            uid=f"{gid}/{i}",
-            group_uid=gid,
-            prompt_ids=[7] * prompt,
-            response_ids=[1 + i] * response,
-            policy_version=1,
-            score=float(i),
-        )
-        for i in range(n)
-    ]
-
-
 async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
     """The batch is the one padded at once from the groups taken, in the order they completed:
     rows written before a longer group are padded out to it, rows of a group forgotten after they
@@ -137,10 +123,10 @@ async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
         return await collector.collect(2, 1, timeout_s, no_requeue, new_batch=new_batch)
 
     a, b, c, d, e = (group_uid(3, 1, i) for i in range(5))
-    await producer.put(_sized_group(a, 2, 1, 2) + _sized_group(b, 2, 1, 1)[:1])
+    await producer.put(group(a, 2, prompt=1, response=2) + group(b, 2, prompt=1, response=1)[:1])
     with pytest.raises(TimeoutError, match="only 1 of 2"):
         await collect(0.3)
-    await producer.put(_sized_group(c, 2, 5, 6))
+    await producer.put(group(c, 2, prompt=5, response=6))
     step = await collect(30)
     assert step.groups == [a, c] and step.batch.uids == [t.uid for t in step.trajectories]
     assert (step.batch.prompt_length, step.batch.response_length) == (5, 6)
@@ -149,11 +135,11 @@ async def test_a_steps_rows_are_written_as_its_groups_complete(redis_url):
         assert torch.equal(getattr(step.batch, name), getattr(want, name)), name
     await collector.commit(step)
 
-    await producer.put(_sized_group(d, 2, 3, 7))
+    await producer.put(group(d, 2, prompt=3, response=7))
     with pytest.raises(TimeoutError):
         await collect(0.3)
     collector.drop_group(d)
-    await producer.put(_sized_group(b, 2, 1, 1)[1:] + _sized_group(e, 2, 2, 3))
+    await producer.put(group(b, 2, prompt=1, response=1)[1:] + group(e, 2, prompt=2, response=3))
     step = await collect(30)
     assert step.groups == [b, e] and step.batch.uids == [f"{b}/0", f"{b}/1", f"{e}/0", f"{e}/1"]
     assert (step.batch.prompt_length, step.batch.response_length) == (2, 3)
@@ -170,11 +156,11 @@ async def test_a_sample_that_joins_a_group_after_its_rows_were_written_is_in_the
         return BatchBuilder(0, rows=4, max_prompt_length=8, max_response_length=8, with_ref=False)
 
     a, b = group_uid(3, 1, 0), group_uid(3, 1, 1)
-    await producer.put(_sized_group(a, 2, 1, 2))
+    await producer.put(group(a, 2, prompt=1, response=2))
     with pytest.raises(TimeoutError):
         await collector.collect(2, 1, 0.3, no_requeue, new_batch=new_batch)
-    late = _sized_group(a, 3, 2, 3)[2]  # a third sample of a, under a uid of its own
-    await producer.put([late, *_sized_group(b, 2, 1, 1)])
+    late = group(a, 3, prompt=2, response=3)[2]  # a third sample of a, under a uid of its own
+    await producer.put([late, *group(b, 2, prompt=1, response=1)])
     step = await collector.collect(2, 1, 30, no_requeue, new_batch=new_batch)
     assert step.batch.uids == [t.uid for t in step.trajectories] and f"{a}/2" in step.batch.uids
     assert torch.equal(step.batch.input_ids, build_batch(step.trajectories, 0, with_ref=False).input_ids)

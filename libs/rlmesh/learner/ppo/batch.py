@@ -402,6 +402,9 @@ class BatchBuffers:
             "token_scores": np.zeros((rows, max_response_length), dtype=np.float32),
             "versions": np.empty((rows, max_response_length), dtype=np.int64),
             "has_rollout": np.zeros(rows, dtype=bool),
+            # Each row's last position and version, which its right padding repeats.
+            "last_position": np.zeros(rows, dtype=np.int64),
+            "last_version": np.zeros(rows, dtype=np.int64),
         }
         if with_ref:
             arrays["ref"] = np.zeros((rows, max_response_length), dtype=np.float32)
@@ -472,15 +475,14 @@ class BatchBuilder:
         self._token_scores = arrays["token_scores"]
         self._versions = arrays["versions"]
         self._has_rollout = arrays["has_rollout"]
-        self._last_position = arrays.setdefault("last_position", np.zeros(self.rows, dtype=np.int64))
-        self._last_version = arrays.setdefault("last_version", np.zeros(self.rows, dtype=np.int64))
+        self._last_position = arrays["last_position"]
+        self._last_version = arrays["last_version"]
 
     def _grow(self, rows: int) -> None:
         """Room for ``rows``: a group with more samples than asked for (a replica told another
         ``n``) is trained on whole, as it was before rows were written as groups came."""
         bigger = BatchBuffers().take(rows, self.max_prompt_length, self.max_response_length, self.with_ref)
         for name, array in self._arrays.items():
-            bigger.setdefault(name, np.zeros((rows, *array.shape[1:]), dtype=array.dtype))
             bigger[name][: self.n] = array[: self.n]
         self.rows = rows
         self._use(bigger)

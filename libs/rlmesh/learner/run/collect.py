@@ -253,8 +253,7 @@ class BatchCollector:
             self.rule.check(self.rewards, where)
         taken = list(self._ready)[:batch_groups]
         batch = None
-        if new_batch is not None:
-            await self._place(batch_groups, new_batch)
+        if new_batch is not None:  # the loop placed the groups it saw ready
             rows = self._rows
             taken_rows = sum(len(self.groups[gid].trajectories) for gid in taken)
             if rows is None or rows.groups != taken or rows.builder.n != taken_rows:
