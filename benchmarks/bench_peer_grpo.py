@@ -15,8 +15,9 @@ lr ``--lr`` with 10% warm-up and cosine decay to a tenth, temperature 1:
 - ``sync``, ``stale1``, ``partial``: ``rlmesh train`` in bench-async's modes (two embedded engines,
   the reward service, the learner).
 
-Accuracy is greedy on the 128 test prompts, scored by rlmesh's chain rule on both sides, before
-training and every 5 steps; the final accuracy is the mean of the last two evaluations. Time is
+Accuracy is avg@8 on the 128 test prompts (the mean score of 8 answers a prompt at temperature 1;
+``--eval-samples 0``: greedy), scored by rlmesh's chain rule on both sides, before training and
+every 5 steps; the final accuracy is the mean of the last two evaluations. Time is
 the training steps only, between bench-peer's boundaries (evaluation and start-up apart). "to TRL's
 final" is the training time to the first evaluation at or above TRL's final accuracy; the ratio
 divides it by TRL's own time to it. Where TRL ends no higher than it started there is nothing to
@@ -98,6 +99,7 @@ def trl_argv(prep: dict[str, Any], seed: int, args: argparse.Namespace, out: Pat
         f"--warmup-ratio={WARMUP_RATIO}",
         f"--min-lr-ratio={MIN_LR_RATIO}",
         f"--threads={args.trl_threads}",
+        f"--eval-samples={args.eval_samples}",
     ]
 
 
@@ -109,9 +111,11 @@ def run_trl(prep: dict[str, Any], seed: int, args: argparse.Namespace, outdir: P
     if code != 0:
         raise SystemExit(f"[bench-peer-grpo] the TRL run of seed {seed} failed (exit code {code})")
     r = json.loads(out.read_text())
-    evals = [{"step": e["step"], "acc": e["greedy"], "train_s": e["train_s"]} for e in r["evals"]]
+    # "sampled" is the greedy accuracy when no samples were asked for
+    evals = [{"step": e["step"], "acc": e["sampled"], "train_s": e["train_s"]} for e in r["evals"]]
     return {
         "evals": evals,
+        "eval_samples": args.eval_samples,
         "train_s": r["train_s"],
         "eval_s": r["eval_s"],
         "process_s": wall,

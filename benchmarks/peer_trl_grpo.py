@@ -8,7 +8,7 @@ the trainer's process: TRL's default without vLLM) feeding ``--mini-batches`` op
 reward is rlmesh's own chain rule (libs/rlmesh/reward/arithmetic.py, pure Python, loaded by path:
 nothing else of rlmesh runs here). Timing as benchmarks/peer_trl.py: a step from the end of the
 previous one (after its evaluation) to TRL's ``on_step_end`` of its last optimizer step; the
-evaluation (greedy on the test split) and the start-up are timed apart.
+evaluation (avg@k, or greedy, on the test split) and the start-up are timed apart.
 """
 
 from __future__ import annotations

@@ -32,12 +32,14 @@ def test_the_modes_differ_only_in_staleness_partial_rollouts_the_pause_and_over_
     )
     assert (stale1.rlmesh.sampler.partial_chunk_tokens, partial.rlmesh.sampler.partial_chunk_tokens) == (
         0,
-        16,
+        48,
     )
     assert partial.rlmesh.weight_sync.pause_mode == "in_place"
     for cfg in (sync, stale1, partial):  # the task and the learner the same
         assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == RESPONSE_LENGTH
         assert cfg.actor_rollout_ref.rollout.n == 4 and cfg.data.train_batch_size == 32
+        val = cfg.actor_rollout_ref.rollout.val_kwargs  # avg@8 at the training temperature
+        assert (val.n, val.do_sample, val.temperature) == (8, True, cfg.actor_rollout_ref.rollout.temperature)
     over = config_of(prep, "over", tmp_path)
     assert over.rlmesh.max_staleness == 1 and over.algorithm.rollout_correction.rollout_is == "token"
     assert (stale1.rlmesh.over_provision, over.rlmesh.over_provision) == (0.0, 0.5)
@@ -46,6 +48,10 @@ def test_the_modes_differ_only_in_staleness_partial_rollouts_the_pause_and_over_
         and over.rlmesh.weight_sync.pause_mode == stale1.rlmesh.weight_sync.pause_mode
     )
     assert set(MODES) == {"sync", "stale1", "partial", "over"}
+    greedy = load_config(
+        str(CPU_DEMO), as_cli(overrides(prep, "sync", 1, 40, tmp_path / "g", eval_samples=0))
+    )
+    assert greedy.actor_rollout_ref.rollout.val_kwargs.do_sample is False
 
 
 def run(accs, step_s=10.0):
@@ -81,3 +87,6 @@ def test_each_mode_is_timed_to_the_synchronous_runs_final_accuracy_of_its_seed()
     assert s["1"]["sync"]["sync_lift_significant"] is False
     # seed 2: sync ends at 0.25, below its start of 0.3: nothing to reach, no ratio for any mode
     assert s["2"]["sync"]["ratio_to_sync"] is None and s["2"]["partial"]["ratio_to_sync"] is None
+    # seed 1's lift with 8 answers a prompt: 2 x 0.0125 standard errors, 0.05 is past them
+    sampled = {"1": {"sync": {**results["1"]["sync"], "eval_samples": 8}}}
+    assert summarize(sampled)["1"]["sync"]["sync_lift_significant"] is True

@@ -17,7 +17,9 @@ from benchmarks.bench_peer_grpo import TRL_KNOBS, summarize, trl_argv
 
 def test_trl_runs_the_batch_groups_mini_batches_lr_and_length_of_rlmeshs_run(tmp_path):
     prep = {"data": tmp_path / "data", "model": tmp_path / "model"}
-    args = argparse.Namespace(steps=40, lr=2e-5, trl_python=".venv-trl-grpo/bin/python", trl_threads=1)
+    args = argparse.Namespace(
+        steps=40, lr=2e-5, trl_python=".venv-trl-grpo/bin/python", trl_threads=1, eval_samples=8
+    )
     flags = dict(
         a[2:].split("=", 1) for a in trl_argv(prep, 3, args, tmp_path / "trl.json") if a.startswith("--")
     )
@@ -46,6 +48,8 @@ def test_trl_runs_the_batch_groups_mini_batches_lr_and_length_of_rlmeshs_run(tmp
     )
     assert actor.loss_agg_mode == "token-mean" and actor.grad_clip == 1.0 and not actor.entropy_coeff
     assert cfg.actor_rollout_ref.rollout.temperature == 1.0 and actor.ppo_epochs == 1
+    val = cfg.actor_rollout_ref.rollout.val_kwargs  # both evaluate avg@8 at temperature 1 (TRL's default)
+    assert int(flags["eval-samples"]) == val.n == 8 and val.do_sample and val.temperature == 1.0
 
 
 def run(accs, step_s=10.0):
