@@ -202,7 +202,7 @@ bench-peer: venv redis-server $(TRL_VENV)/.installed
 	$(BIN)/python benchmarks/bench_peer.py $(PEER_ARGS)
 
 # TRL's GRPOTrainer (its current release, 1.16.0) in a venv of its own, then rlmesh's GRPO, on the
-# long-tail task from bench-async's SFT checkpoint, two seeds (about 40 minutes on 2 cores).
+# long-tail task from bench-async's SFT checkpoint, two seeds (about 70 minutes on 2 cores).
 # Options: PEER_GRPO_ARGS='--seeds 0 --steps 20 --runs trl,sync,stale1,partial' (python benchmarks/bench_peer_grpo.py -h).
 TRL_GRPO_VENV := .venv-trl-grpo
 $(TRL_GRPO_VENV)/.installed: constraints.txt

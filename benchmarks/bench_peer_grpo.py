@@ -2,7 +2,7 @@
 same start, same knobs, one after the other; prints times, accuracies and rlmesh's time to TRL's
 final accuracy as a ratio of TRL's.
 
-    python benchmarks/bench_peer_grpo.py [--seeds 0,1] [--steps 100] [--runs trl,stale1,partial]
+    python benchmarks/bench_peer_grpo.py [--seeds 0,1] [--steps 100] [--runs trl,sync,stale1,partial]
 
 The task, model and start are benchmarks/bench_async.py's (``rlmesh data chain``, a 1.1M Llama,
 the SFT checkpoint cached under runs/bench-async: built once for both benchmarks). Every run trains
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1", help="the seeds of the runs (the data and SFT are seed 0's)")
     p.add_argument("--steps", type=int, default=100, help="GRPO steps of every run")
-    p.add_argument("--runs", default="trl,stale1,partial", help=f"any of {', '.join(RUNS)}, in order")
+    p.add_argument("--runs", default="trl,sync,stale1,partial", help=f"any of {', '.join(RUNS)}, in order")
     p.add_argument("--trl-python", default=".venv-trl-grpo/bin/python")
     p.add_argument("--trl-threads", type=int, default=1, help="TRL's torch threads")
     add_run_options(p, workdir_help="shared with bench-async: one SFT start")
