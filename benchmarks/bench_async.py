@@ -16,12 +16,13 @@ split reaches ``--sft-band`` (cached under the workdir). Each seed then trains G
 - ``over``: ``stale1`` with half a batch more in flight (``rlmesh.over_provision=0.5``, APRIL's
   over-provisioning).
 
-Printed per mode and seed: the training time (``benchmarks/bench_peer.py``'s boundaries: steps
-only, validation and start-up apart), final accuracy (mean of the last two evaluations of the
-test split, each the mean score of ``--eval-samples`` answers a prompt at temperature 1, avg@8 by
-default), time to the synchronous run's final accuracy and its ratio to the synchronous run's,
-generated tokens per second of training time, and engine occupancy (sequences decoding, sampled from each engine's ``rlmesh_engine_running_sequences`` every ``--sample-every`` seconds:
-mean, and the share of samples with an engine idle). ``occupancy.png`` plots it over time.
+Printed per mode and seed: the training time (``benchmarks/bench_peer.py``'s boundaries: steps only,
+validation and start-up apart), final accuracy (mean of the last two evaluations of the test split,
+each the mean score of ``--eval-samples`` answers a prompt at temperature 1, avg@8 by default), time
+to the synchronous run's final accuracy and its ratio to the synchronous run's, generated tokens per
+second of training time, and engine occupancy (sequences decoding, sampled from each engine's
+``rlmesh_engine_running_sequences`` every ``--sample-every`` seconds: mean, and the share of samples
+with an engine idle). ``occupancy.png`` plots it over time.
 """
 
 from __future__ import annotations
